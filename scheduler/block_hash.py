@@ -1,0 +1,39 @@
+"""Stable identifiers of full KV blocks, shared by the block manager's events and the router.
+
+A block's hash covers the LoRA task and the whole token prefix through the end of that block
+(a chain: each hash folds in its parent's), so equal hashes mean equal KV content for a given
+model. blake2b is used, not Python's hash(), so that every process computes the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BLOCK_HASH_BYTES = 8
+
+_ROOT = b"duet-block-v1"
+
+
+def _lora_bytes(lora_task_id: int | None) -> bytes:
+    return b"none" if lora_task_id is None else struct.pack("<q", lora_task_id)
+
+
+def block_hash_chain(
+    token_ids: Sequence[int], tokens_per_block: int, lora_task_id: int | None = None
+) -> list[int]:
+    """Hashes of every full block of `token_ids` (a trailing partial block gets none)."""
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    hashes: list[int] = []
+    parent = hashlib.blake2b(_ROOT + _lora_bytes(lora_task_id), digest_size=BLOCK_HASH_BYTES).digest()
+    num_full = len(token_ids) // tokens_per_block
+    for index in range(num_full):
+        block = token_ids[index * tokens_per_block : (index + 1) * tokens_per_block]
+        digest = hashlib.blake2b(
+            parent + struct.pack(f"<{tokens_per_block}q", *block), digest_size=BLOCK_HASH_BYTES
+        ).digest()
+        hashes.append(int.from_bytes(digest, "little"))
+        parent = digest
+    return hashes

@@ -1,0 +1,557 @@
+"""The accounting side of the paged KV cache (TensorRT-LLM's KVCacheManager, single window).
+
+Blocks are integers 0..num_blocks-1; the worker's KV tensors are indexed by these ids, so this class
+is the one source of truth for which block belongs to whom.
+
+- Reference counts per block; a block is free when its count is 0.
+- Prefix reuse: a tree keyed by (LoRA task, chain of full token blocks). A full prompt block is
+  published by `store_context_blocks` once its KV has been computed; a later sequence whose prompt
+  starts with the same blocks shares them instead of allocating (`add_sequence`).
+- Published blocks keep their content when their last holder goes ("cached-but-free"); they count
+  as free and are evicted, least recently released first, only when a fresh block is needed.
+- The scheduling snapshot used by MAX_UTILIZATION simulates freeing sequences without touching the
+  real counts; it is copy-on-write, so starting one costs O(1), not O(allocated blocks).
+- Optional prefix-cache events (stable block hashes stored / removed) for the router's index.
+
+Attention windows: one window W, which is also the maximum sequence length (no cyclic reuse of
+blocks, no variable-window attention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from scheduler.block_hash import BLOCK_HASH_BYTES, _lora_bytes, _ROOT
+from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
+from scheduler.request import LlmRequest
+from scheduler.state import LlmRequestState
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+_CONTEXT_INIT_AND_TRANS = LlmRequestState.DISAGG_CONTEXT_INIT_AND_TRANS
+_GEN_INIT = LlmRequestState.DISAGG_GENERATION_INIT
+_GENERATION_STATES = frozenset(
+    {
+        LlmRequestState.GENERATION_IN_PROGRESS,
+        LlmRequestState.GENERATION_TO_COMPLETE,
+        LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE,
+    }
+)
+
+
+@dataclass(frozen=True)
+class BlockManagerConfig:
+    tokens_per_block: int
+    num_blocks: int
+    max_attention_window: int
+    max_seq_len: int | None = None  # defaults to max_attention_window
+    sink_token_len: int = 0
+    temporary_attention_window: int = 0
+    max_beam_width: int = 1
+    enable_block_reuse: bool = False
+    two_steps_lookahead: bool = False
+    is_cross_attention: bool = False
+    record_events: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_block", "num_blocks", "max_attention_window", "max_beam_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidFieldError(name, f"must be a positive integer, got {value!r}")
+        for name in ("sink_token_len", "temporary_attention_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidFieldError(name, f"must be a non-negative integer, got {value!r}")
+        if self.max_seq_len is not None and (
+            isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
+        ):
+            raise InvalidFieldError("max_seq_len", f"must be a positive integer, got {self.max_seq_len!r}")
+        if self.is_cross_attention and self.enable_block_reuse:
+            raise InvalidFieldError("enable_block_reuse", "the cross-attention pool never reuses blocks")
+
+    @property
+    def effective_max_seq_len(self) -> int:
+        return self.max_attention_window if self.max_seq_len is None else self.max_seq_len
+
+    @property
+    def max_token_num(self) -> int:
+        """The most tokens one sequence can hold in the window (spec §4.4 maxTokenNum(W))."""
+        extra = (
+            self.tokens_per_block
+            if self.effective_max_seq_len > self.max_attention_window and self.max_beam_width > 1
+            else 0
+        )
+        return self.max_attention_window + self.sink_token_len + extra
+
+
+class PrefixEventKind(Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class PrefixEvent:
+    kind: PrefixEventKind
+    block_hash: int
+
+
+class _ReuseNode:
+    """A published full block: its token content (within its parent's chain) and its block id."""
+
+    __slots__ = ("key", "block_id", "parent", "children", "digest", "__weakref__")
+
+    def __init__(self, key: tuple[int, ...] | None, block_id: int, parent: _ReuseNode | None) -> None:
+        self.key = key
+        self.block_id = block_id
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _ReuseNode] = {}
+        self.digest = b""
+
+
+class KvSequence:
+    """The blocks of one request. Full context blocks are shared by every beam; the rest is per beam."""
+
+    __slots__ = ("request_id", "beam_blocks", "num_tokens", "lora_task_id")
+
+    def __init__(self, request_id: Hashable, beam_blocks: list[list[int]], num_tokens: int, lora_task_id) -> None:
+        self.request_id = request_id
+        self.beam_blocks = beam_blocks
+        self.num_tokens = num_tokens
+        self.lora_task_id = lora_task_id
+
+    def distinct_blocks(self) -> list[int]:
+        if len(self.beam_blocks) == 1:
+            return self.beam_blocks[0]
+        seen: dict[int, None] = {}
+        for blocks in self.beam_blocks:
+            for block in blocks:
+                seen[block] = None
+        return list(seen)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, config: BlockManagerConfig) -> None:
+        self.config = config
+        self.tokens_per_block = config.tokens_per_block
+        self.num_blocks = config.num_blocks
+        self.enable_block_reuse = config.enable_block_reuse
+        self._ref = [0] * config.num_blocks
+        # Never-published (or no longer published) free blocks; popped from the end.
+        self._free: list[int] = list(range(config.num_blocks - 1, -1, -1))
+        # Published blocks whose count dropped to 0, least recently released first.
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._node_of_block: dict[int, _ReuseNode] = {}
+        self._roots: dict[int | None, _ReuseNode] = {}
+        self._sequences: dict[Hashable, KvSequence] = {}
+        self.num_reused_blocks = 0  # full blocks taken from the reuse tree, over the manager's life
+        self.num_allocated_total = 0
+        self._sched_free = 0
+        self._sched_ref: dict[int, int] = {}
+        self._events: list[PrefixEvent] = []
+
+    # --- queries ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks, counting cached-but-free ones (they are evicted on demand)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def has_sequence(self, request_id: Hashable) -> bool:
+        return request_id in self._sequences
+
+    def sequence(self, request_id: Hashable) -> KvSequence:
+        try:
+            return self._sequences[request_id]
+        except KeyError:
+            raise BlockAccountingError(f"no KV sequence for request {request_id!r}") from None
+
+    def block_ids(self, request_id: Hashable, beam: int = 0) -> list[int]:
+        return self.sequence(request_id).beam_blocks[beam]
+
+    def num_sequence_tokens(self, request_id: Hashable) -> int:
+        return self.sequence(request_id).num_tokens
+
+    @property
+    def sequence_ids(self) -> list[Hashable]:
+        return list(self._sequences)
+
+    def drain_events(self) -> list[PrefixEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of every published block (for a full resync of the router's index)."""
+        return [int.from_bytes(node.digest, "little") for node in self._node_of_block.values() if node.digest]
+
+    # --- block pool ---------------------------------------------------------------------------
+    def _allocate_fresh(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._cached_free:
+            block, _ = self._cached_free.popitem(last=False)
+            self._unpublish(self._node_of_block[block], taken=block)
+        else:
+            raise OutOfBlocksError(f"no free KV block left (pool of {self.num_blocks})")
+        self._ref[block] = 1
+        self.num_allocated_total += 1
+        return block
+
+    def _unpublish(self, node: _ReuseNode, taken: int) -> None:
+        """Remove `node` and its subtree from the reuse tree (their content is about to go).
+
+        Free blocks of the subtree become plain free blocks, except `taken`, which the caller is
+        about to reuse; held blocks stay with their holders, unpublished.
+        """
+        parent = node.parent
+        if parent is not None and node.key is not None:
+            parent.children.pop(node.key, None)
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            stack.extend(current.children.values())
+            current.children = {}
+            if self._node_of_block.get(current.block_id) is current:
+                del self._node_of_block[current.block_id]
+                if current.block_id in self._cached_free:
+                    del self._cached_free[current.block_id]
+                    self._free.append(current.block_id)
+                elif self._ref[current.block_id] == 0 and current.block_id != taken:
+                    self._free.append(current.block_id)
+                if self.config.record_events and current.digest:
+                    self._events.append(
+                        PrefixEvent(PrefixEventKind.REMOVED, int.from_bytes(current.digest, "little"))
+                    )
+
+    def _acquire_cached(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._cached_free[block]
+        self._ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        count = self._ref[block] - 1
+        if count < 0:
+            raise BlockAccountingError(f"block {block} released more often than acquired")
+        self._ref[block] = count
+        if count == 0:
+            if block in self._node_of_block:
+                self._cached_free[block] = None
+            else:
+                self._free.append(block)
+
+    # --- prefix tree walks --------------------------------------------------------------------
+    def _keys(self, request: LlmRequest) -> list[tuple[int, ...]]:
+        keys = request.block_keys
+        if keys is None:
+            tpb = self.tokens_per_block
+            tokens = request.tokens[0]
+            prompt_len = request.prompt_len
+            keys = [tuple(tokens[start : start + tpb]) for start in range(0, prompt_len - tpb + 1, tpb)]
+            request.block_keys = keys
+        return keys
+
+    def _walk(self, lora_task_id: int | None, keys: list[tuple[int, ...]], limit: int) -> list[_ReuseNode]:
+        """The published nodes matching the first `limit` keys, from the root, up to the first miss."""
+        root = self._roots.get(lora_task_id)
+        matched: list[_ReuseNode] = []
+        if root is None:
+            return matched
+        children = root.children
+        for index in range(min(limit, len(keys))):
+            node = children.get(keys[index])
+            if node is None:
+                break
+            matched.append(node)
+            children = node.children
+        return matched
+
+    def count_reusable_blocks(self, request: LlmRequest, only_allocated: bool) -> int:
+        """Consecutive full blocks of the request's tokens already in the tree.
+
+        With `only_allocated`, count only matched blocks that some sequence holds: free cached blocks
+        are already in the free count, so crediting them again would count them twice.
+        """
+        if not self.enable_block_reuse:
+            return 0
+        keys = self._keys(request)
+        if not keys or request.lora_task_id not in self._roots:
+            return 0
+        matched = self._walk(request.lora_task_id, keys, len(keys))
+        if not only_allocated:
+            return len(matched)
+        ref = self._ref
+        return sum(1 for node in matched if ref[node.block_id] > 0)
+
+    def find_new_context_block(self, request: LlmRequest) -> tuple | None:
+        """A key naming the request's prefix through its first full block missing from the tree.
+
+        Two requests get equal keys iff they share that prefix (same LoRA task, same matched path,
+        same tokens in the first missing block). None if every full block is cached or there is none.
+        """
+        if not self.enable_block_reuse:
+            return None
+        keys = self._keys(request)
+        if not keys:
+            return None
+        matched = self._walk(request.lora_task_id, keys, len(keys))
+        if len(matched) == len(keys):
+            return None
+        parent = matched[-1] if matched else None
+        return (request.lora_task_id, id(parent) if parent is not None else None, keys[len(matched)])
+
+    # --- sequence operations ------------------------------------------------------------------
+    def add_sequence(self, request: LlmRequest, num_tokens: int | None = None) -> int:
+        """Allocate blocks for the request's prompt (or `num_tokens`, e.g. an encoder output).
+
+        With reuse, the full blocks of the first P-1 prompt tokens are matched against the tree and
+        shared; the request's context window is moved past them (set_prepopulated_prompt_len).
+        Returns the number of reused prompt tokens. Idempotent failure: if the pool runs out,
+        nothing stays allocated.
+        """
+        request_id = request.request_id
+        if request_id in self._sequences:
+            raise BlockAccountingError(f"request {request_id!r} already has a KV sequence")
+        tpb = self.tokens_per_block
+        length = request.prompt_len if num_tokens is None else num_tokens
+        beam_width = request.beam_width
+        matched: list[_ReuseNode] = []
+        if self.enable_block_reuse and num_tokens is None:
+            keys = self._keys(request)
+            matched = self._walk(request.lora_task_id, keys, (length - 1) // tpb)
+        num_full = length // tpb
+        has_partial = length % tpb > 0
+        needed_fresh = (num_full - len(matched)) + (beam_width if has_partial else 0)
+        if needed_fresh > self.num_free_blocks - sum(
+            1 for node in matched if self._ref[node.block_id] == 0
+        ):
+            raise OutOfBlocksError(
+                f"request {request_id!r} needs {needed_fresh} fresh blocks, {self.num_free_blocks} free"
+            )
+        shared: list[int] = []
+        for node in matched:
+            self._acquire_cached(node.block_id)
+            shared.append(node.block_id)
+        for _ in range(num_full - len(matched)):
+            shared.append(self._allocate_fresh())
+        beam_blocks = [list(shared) for _ in range(beam_width)]
+        if has_partial:
+            for blocks in beam_blocks:
+                blocks.append(self._allocate_fresh())
+        self._sequences[request_id] = KvSequence(request_id, beam_blocks, length, request.lora_task_id)
+        self.num_reused_blocks += len(matched)
+        reused_tokens = len(matched) * tpb
+        if reused_tokens:
+            request.set_prepopulated_prompt_len(reused_tokens, tpb)
+        return reused_tokens
+
+    def add_token(self, request_id: Hashable) -> None:
+        """Grow the sequence by one token (every beam), allocating a block at block boundaries."""
+        sequence = self.sequence(request_id)
+        if sequence.num_tokens % self.tokens_per_block == 0:
+            for blocks in sequence.beam_blocks:
+                blocks.append(self._allocate_fresh())
+        sequence.num_tokens += 1
+
+    def store_context_blocks(self, request: LlmRequest) -> int:
+        """Publish the first floor((P-1)/tpb) full prompt blocks; returns how many became new nodes."""
+        if not self.enable_block_reuse:
+            return 0
+        sequence = self.sequence(request.request_id)
+        keys = self._keys(request)
+        count = min((request.prompt_len - 1) // self.tokens_per_block, len(keys))
+        blocks = sequence.beam_blocks[0]
+        lora = request.lora_task_id
+        root = self._roots.get(lora)
+        if root is None:
+            root = _ReuseNode(None, -1, None)
+            root.digest = hashlib.blake2b(_ROOT + _lora_bytes(lora), digest_size=BLOCK_HASH_BYTES).digest()
+            self._roots[lora] = root
+        parent = root
+        created = 0
+        for index in range(count):
+            key = keys[index]
+            node = parent.children.get(key)
+            if node is None:
+                block = blocks[index]
+                if block in self._node_of_block:
+                    # This block already stands for other content (cannot happen for prompt blocks
+                    # of one request, but never let one block carry two meanings).
+                    break
+                node = _ReuseNode(key, block, parent)
+                parent.children[key] = node
+                self._node_of_block[block] = node
+                created += 1
+                if self.config.record_events:
+                    node.digest = hashlib.blake2b(
+                        parent.digest + struct.pack(f"<{len(key)}q", *key), digest_size=BLOCK_HASH_BYTES
+                    ).digest()
+                    self._events.append(PrefixEvent(PrefixEventKind.STORED, int.from_bytes(node.digest, "little")))
+            parent = node
+        return created
+
+    def remove_sequence(self, request_id: Hashable) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            raise BlockAccountingError(f"no KV sequence for request {request_id!r}")
+        # Release the tail first so that leaves of the reuse tree are evicted before their parents.
+        for block in reversed(sequence.distinct_blocks()):
+            self._release(block)
+
+    # --- block estimates (spec §4.4) ----------------------------------------------------------
+    def remaining_blocks_to_completion(self, request: LlmRequest) -> int:
+        """Blocks the request still needs to run to completion (GUARANTEED_NO_EVICT, STATIC_BATCH)."""
+        request.estimated_reusable_tokens = 0
+        cfg = self.config
+        tpb = self.tokens_per_block
+        if cfg.is_cross_attention:
+            if request.is_context_init_state() and request.context_current_position == 0:
+                return _ceil_div(request.encoder_input_len or 0, tpb)
+            return 0
+        prompt_len = request.prompt_len
+        window = cfg.max_attention_window + cfg.temporary_attention_window
+        sink = cfg.sink_token_len
+        ctx_blocks = (min(prompt_len, window) + sink) // tpb
+        total_len = prompt_len + request.max_new_tokens
+        total_per_beam = _ceil_div(min(total_len, window) + sink, tpb)
+        gen_per_beam = total_per_beam - ctx_blocks
+        sequence = self._sequences.get(request.request_id)
+        allocated = len(sequence.beam_blocks[0]) if sequence is not None else 0
+        reusable_ctx = 0
+        if (
+            self.enable_block_reuse
+            and allocated == 0
+            and request.is_context_init_state()
+            and request.is_first_context_chunk()
+        ):
+            reusable_ctx = min(self.count_reusable_blocks(request, only_allocated=True), ctx_blocks)
+            request.estimated_reusable_tokens = (
+                min(self.count_reusable_blocks(request, only_allocated=False), ctx_blocks) * tpb
+            )
+        extra = 0
+        if total_len > cfg.max_attention_window:
+            blocks_total = _ceil_div(total_len, tpb)
+            if blocks_total > _ceil_div(request.num_tokens(0), tpb) and blocks_total > total_per_beam:
+                extra = 1
+        beam_width = request.beam_width
+        effective_ctx = ctx_blocks - reusable_ctx
+        if allocated < effective_ctx:
+            return effective_ctx - allocated + (gen_per_beam + extra) * beam_width
+        return (total_per_beam - reusable_ctx - allocated + extra) * beam_width
+
+    def needed_blocks_one_step(self, request: LlmRequest) -> int:
+        """Blocks the request needs for its next step only (MAX_UTILIZATION)."""
+        request.estimated_reusable_tokens = 0
+        cfg = self.config
+        tpb = self.tokens_per_block
+        state = request.state
+        if state in _GENERATION_STATES:
+            if cfg.is_cross_attention:
+                return 0
+            sequence = self._sequences.get(request.request_id)
+            current = sequence.num_tokens if sequence is not None else request.num_tokens(0) - 1
+            generated = current - request.prompt_len
+            step = (2 if cfg.two_steps_lookahead else 1) * (len(request.draft_tokens) + 1)
+            add = min(step, request.max_new_tokens - generated)
+            following = current + add
+            if following > cfg.max_token_num:
+                return 0
+            return (_ceil_div(following, tpb) - _ceil_div(current, tpb)) * request.beam_width
+        is_disagg = state is _GEN_INIT
+        if is_disagg or (
+            (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS) and request.is_first_context_chunk()
+        ):
+            if cfg.is_cross_attention:
+                return _ceil_div(request.encoder_input_len or 0, tpb) if not is_disagg else 0
+            prompt_cache_len = (
+                min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
+                + cfg.sink_token_len
+            )
+            need = prompt_cache_len // tpb + (request.beam_width if prompt_cache_len % tpb else 0)
+            if self.enable_block_reuse and not is_disagg:
+                reusable = min(self.count_reusable_blocks(request, only_allocated=True), prompt_cache_len // tpb)
+                need -= reusable
+                request.estimated_reusable_tokens = reusable * tpb
+            return need
+        return 0
+
+    # --- the scheduling snapshot (MAX_UTILIZATION) --------------------------------------------
+    def start_scheduling(self) -> None:
+        self._sched_free = self.num_free_blocks
+        self._sched_ref = {}
+
+    def scheduling_has_free_blocks(self, num_blocks: int) -> bool:
+        return self._sched_free >= num_blocks
+
+    @property
+    def scheduling_free_blocks(self) -> int:
+        return self._sched_free
+
+    def scheduling_remove_sequence(self, request_id: Hashable) -> None:
+        """Simulate freeing the sequence: a block counts as free only when its last holder goes."""
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            return
+        sched_ref = self._sched_ref
+        ref = self._ref
+        for block in sequence.distinct_blocks():
+            count = sched_ref.get(block, ref[block]) - 1
+            sched_ref[block] = count
+            if count == 0:
+                self._sched_free += 1
+
+    # --- integrity ----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise BlockAccountingError if counts, free lists and the tree disagree."""
+        expected = [0] * self.num_blocks
+        for sequence in self._sequences.values():
+            for block in sequence.distinct_blocks():
+                if not 0 <= block < self.num_blocks:
+                    raise BlockAccountingError(f"sequence {sequence.request_id!r} holds invalid block {block}")
+                expected[block] += 1
+            for blocks in sequence.beam_blocks:
+                if len(blocks) != _ceil_div(sequence.num_tokens, self.tokens_per_block):
+                    raise BlockAccountingError(
+                        f"sequence {sequence.request_id!r}: {len(blocks)} blocks for {sequence.num_tokens} tokens"
+                    )
+        if expected != self._ref:
+            bad = [b for b in range(self.num_blocks) if expected[b] != self._ref[b]][:5]
+            raise BlockAccountingError(f"reference counts disagree with sequences at blocks {bad}")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise BlockAccountingError("a block appears twice in the free list")
+        cached = set(self._cached_free)
+        if free & cached:
+            raise BlockAccountingError("a block is both plainly free and cached-free")
+        for block in free:
+            if self._ref[block] != 0 or block in self._node_of_block:
+                raise BlockAccountingError(f"free block {block} is referenced or published")
+        for block in cached:
+            if self._ref[block] != 0 or block not in self._node_of_block:
+                raise BlockAccountingError(f"cached-free block {block} is referenced or unpublished")
+        used = sum(1 for count in self._ref if count > 0)
+        if used + len(free) + len(cached) != self.num_blocks:
+            raise BlockAccountingError(
+                f"{used} used + {len(free)} free + {len(cached)} cached != {self.num_blocks} blocks"
+            )
+        for block, node in self._node_of_block.items():
+            if node.block_id != block:
+                raise BlockAccountingError(f"tree node for block {block} names block {node.block_id}")
+            if node.parent is None or node.parent.children.get(node.key) is not node:
+                raise BlockAccountingError(f"tree node for block {block} is detached from its parent")
+
+    def iter_sequences(self) -> Iterable[KvSequence]:
+        return self._sequences.values()

@@ -1,0 +1,359 @@
+"""The capacity scheduler: which requests may hold KV memory this step (spec §4).
+
+Policies: MaxRequests (no KV manager), GUARANTEED_NO_EVICT (reserve to completion), STATIC_BATCH
+(the same, but new work only starts when nothing is generating) and MAX_UTILIZATION (reserve one
+step; pause started requests from the tail of the list and retry).
+
+The list order is the scheduling order: these schedulers never sort (a reorder hook runs before
+them, see scheduler.ordering). Requests in DISAGG_GENERATION_INIT are let through regardless of the
+window (the "disagg exemption", not for MaxRequests) and returned in a separate list.
+
+Prefix-aware skipping: a first-chunk context request whose first missing prompt block is the same
+as that of a request already admitted this pass (or of a chunked prefill already running) is
+skipped this step: once the earlier one stores its blocks, this one reuses them instead of
+computing the same KV twice. The check is pure; a request's key is registered only once it has
+been admitted (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import CapacitySchedulerPolicy
+from scheduler.peft import PeftBudget
+from scheduler.request import LlmRequest
+from scheduler.state import LlmRequestState
+
+S = LlmRequestState
+_ENCODER_INIT = S.ENCODER_INIT
+_CONTEXT_INIT = S.CONTEXT_INIT
+_CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
+_GEN_INIT = S.DISAGG_GENERATION_INIT
+_GENERATION_STATES = frozenset({S.GENERATION_IN_PROGRESS, S.GENERATION_TO_COMPLETE, S.DISAGG_GENERATION_TRANS_COMPLETE})
+_UNLIMITED_PAGES = 0x7FFFFFFF
+
+
+@dataclass
+class CapacityOutput:
+    fitting: list[LlmRequest] = field(default_factory=list)
+    disagg_generation_init: list[LlmRequest] = field(default_factory=list)
+    paused: list[LlmRequest] = field(default_factory=list)
+
+
+def _split(scheduled: list[LlmRequest], paused: list[LlmRequest]) -> CapacityOutput:
+    fitting: list[LlmRequest] = []
+    disagg: list[LlmRequest] = []
+    for request in scheduled:
+        (disagg if request.state is _GEN_INIT else fitting).append(request)
+    return CapacityOutput(fitting, disagg, paused)
+
+
+class _PrefixSkipper:
+    """The set C of spec §4.5, built lazily: most steps never need it."""
+
+    __slots__ = ("_kv", "_active", "_keys")
+
+    def __init__(self, kv: BlockManager, active: Sequence[LlmRequest]) -> None:
+        self._kv = kv
+        self._active = active
+        self._keys: set | None = None
+
+    def _registered(self) -> set:
+        if self._keys is None:
+            keys = set()
+            kv = self._kv
+            for request in self._active:
+                state = request.state
+                if (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS) and (
+                    request.context_current_position != request.prepopulated_prompt_len
+                ):
+                    key = kv.find_new_context_block(request)
+                    if key is not None:
+                        keys.add(key)
+            self._keys = keys
+        return self._keys
+
+    def key_if_not_skipped(self, request: LlmRequest) -> tuple[bool, tuple | None]:
+        """(skip?, key to register once admitted)."""
+        key = self._kv.find_new_context_block(request)
+        if key is None:
+            return False, None
+        if key in self._registered():
+            return True, None
+        return False, key
+
+    def register(self, key: tuple | None) -> None:
+        if key is not None:
+            self._registered().add(key)
+
+
+class CapacityScheduler:
+    """Base: the window check and the shared inputs."""
+
+    def __init__(
+        self,
+        max_num_requests: int,
+        *,
+        until: LlmRequestState = S.CONTEXT_INIT,
+        after: LlmRequestState = S.GENERATION_COMPLETE,
+    ) -> None:
+        self.max_num_requests = max_num_requests
+        self.until = until
+        self.after = after
+
+    def schedule(self, active: Sequence[LlmRequest]) -> CapacityOutput:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class MaxRequestsScheduler(CapacityScheduler):
+    """No KV manager: admit up to max_num_requests schedulable requests, in order."""
+
+    def schedule(self, active: Sequence[LlmRequest]) -> CapacityOutput:
+        until, after, limit = self.until, self.after, self.max_num_requests
+        scheduled: list[LlmRequest] = []
+        for request in active:
+            state = request.state
+            if not (until <= state < after):
+                continue
+            if len(scheduled) >= limit:
+                break
+            if (
+                state is _ENCODER_INIT
+                or state is _CONTEXT_INIT
+                or state is _CONTEXT_INIT_AND_TRANS
+                or state in _GENERATION_STATES
+            ):
+                scheduled.append(request)
+        return _split(scheduled, [])
+
+
+class GuaranteedNoEvictScheduler(CapacityScheduler):
+    """Admit only what can run to completion without eviction; STATIC_BATCH when `static`."""
+
+    def __init__(
+        self,
+        max_num_requests: int,
+        kv: BlockManager,
+        *,
+        cross_kv: BlockManager | None = None,
+        peft: PeftBudget | None = None,
+        static_batch: bool = False,
+        prefix_aware: bool = True,
+        until: LlmRequestState = S.CONTEXT_INIT,
+        after: LlmRequestState = S.GENERATION_COMPLETE,
+    ) -> None:
+        super().__init__(max_num_requests, until=until, after=after)
+        self.kv = kv
+        self.cross_kv = cross_kv
+        self.peft = peft
+        self.static_batch = static_batch
+        self.skipping = kv.enable_block_reuse and prefix_aware and not static_batch
+
+    def schedule(self, active: Sequence[LlmRequest]) -> CapacityOutput:
+        kv, cross, peft = self.kv, self.cross_kv, self.peft
+        until, after, limit = self.until, self.after, self.max_num_requests
+        available = kv.num_free_blocks
+        cross_available = cross.num_free_blocks if cross is not None else 0
+        claimed_pages = 0
+        tasks: set[int] = set()
+        scheduled: list[LlmRequest] = []
+        pending_disagg: list[LlmRequest] = []
+        pending: list[LlmRequest] = []
+        remaining = kv.remaining_blocks_to_completion
+
+        for request in active:
+            state = request.state
+            if not (until <= state < after) and state is not _GEN_INIT:
+                continue
+            if len(scheduled) >= limit:
+                break
+            if state in _GENERATION_STATES:
+                scheduled.append(request)
+                available -= remaining(request)
+                if cross is not None:
+                    cross_available -= cross.remaining_blocks_to_completion(request)
+                task = request.lora_task_id
+                if task is not None and peft is not None and task not in tasks:
+                    tasks.add(task)
+                    claimed_pages += peft.determine_num_pages(request)
+            elif state is _GEN_INIT:
+                pending_disagg.append(request)
+            else:
+                pending.append(request)
+
+        if self.static_batch and scheduled:
+            return _split(scheduled, [])
+
+        available_pages = (peft.max_device_pages if peft is not None else _UNLIMITED_PAGES) - claimed_pages
+        skipper = _PrefixSkipper(kv, active) if self.skipping else None
+        for group in (pending_disagg, pending):
+            for request in group:
+                state = request.state
+                is_disagg = state is _GEN_INIT
+                is_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
+                key = None
+                if skipper is not None and is_context and request.is_first_context_chunk():
+                    skip, key = skipper.key_if_not_skipped(request)
+                    if skip:
+                        continue
+                if len(scheduled) >= limit:
+                    break
+                if not (is_context or is_disagg):
+                    continue  # encoder-init requests need the encoder-decoder path
+                need = remaining(request)
+                cross_need = cross.remaining_blocks_to_completion(request) if cross is not None else 0
+                task = request.lora_task_id
+                pages = 0
+                if task is not None and peft is not None and task not in tasks:
+                    pages = peft.determine_num_pages(request)
+                blocks_fit = need <= available and cross_need <= cross_available
+                if blocks_fit and pages <= available_pages:
+                    scheduled.append(request)
+                    available -= need
+                    cross_available -= cross_need
+                    available_pages -= pages
+                    if task is not None:
+                        tasks.add(task)
+                    if skipper is not None:
+                        skipper.register(key)
+                elif not blocks_fit:
+                    break  # strict head-of-line blocking within the group
+                # else: only the PEFT budget failed; try the next request
+        return _split(scheduled, [])
+
+
+class MaxUtilizationScheduler(CapacityScheduler):
+    """Admit as much as fits for the next step; pause started requests from the tail when needed."""
+
+    def __init__(
+        self,
+        max_num_requests: int,
+        kv: BlockManager,
+        *,
+        cross_kv: BlockManager | None = None,
+        peft: PeftBudget | None = None,
+        prefix_aware: bool = True,
+        until: LlmRequestState = S.CONTEXT_INIT,
+        after: LlmRequestState = S.GENERATION_COMPLETE,
+    ) -> None:
+        super().__init__(max_num_requests, until=until, after=after)
+        self.kv = kv
+        self.cross_kv = cross_kv
+        self.peft = peft
+        self.skipping = kv.enable_block_reuse and prefix_aware
+
+    def _is_started(self, request: LlmRequest) -> bool:
+        state = request.state
+        if not (self.until <= state < self.after):
+            return False
+        if state in _GENERATION_STATES:
+            return True
+        return (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS) and (
+            request.context_current_position != request.prepopulated_prompt_len
+        )
+
+    def schedule(self, active: Sequence[LlmRequest]) -> CapacityOutput:
+        kv, cross, peft = self.kv, self.cross_kv, self.peft
+        until, after, limit = self.until, self.after, self.max_num_requests
+        kv.start_scheduling()
+        if cross is not None:
+            cross.start_scheduling()
+        max_pages = peft.max_device_pages if peft is not None else _UNLIMITED_PAGES
+        skipper = _PrefixSkipper(kv, active) if self.skipping else None
+        needed = kv.needed_blocks_one_step
+        has_free = kv.scheduling_has_free_blocks
+        scheduled_blocks = 0
+        cross_scheduled_blocks = 0
+        scheduled_pages = 0
+        tasks: set[int] = set()
+        scheduled: list[LlmRequest] = []
+        paused: list[LlmRequest] = []
+        index = 0
+        end = len(active)
+        while index < end:
+            request = active[index]
+            state = request.state
+            if not (until <= state < after) and state is not _GEN_INIT:
+                index += 1
+                continue
+            key = None
+            if (
+                skipper is not None
+                and (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS)
+                and request.context_current_position == request.prepopulated_prompt_len
+            ):
+                skip, key = skipper.key_if_not_skipped(request)
+                if skip:
+                    index += 1
+                    continue
+            if len(scheduled) < limit:
+                need = needed(request)
+                cross_need = cross.needed_blocks_one_step(request) if cross is not None else 0
+                task = request.lora_task_id
+                pages = 0
+                if task is not None and peft is not None and task not in tasks:
+                    pages = peft.determine_num_pages(request)
+                if (
+                    has_free(scheduled_blocks + need)
+                    and (cross is None or cross.scheduling_has_free_blocks(cross_scheduled_blocks + cross_need))
+                    and scheduled_pages + pages <= max_pages
+                ):
+                    scheduled.append(request)
+                    scheduled_blocks += need
+                    cross_scheduled_blocks += cross_need
+                    scheduled_pages += pages
+                    if task is not None:
+                        tasks.add(task)
+                    if skipper is not None:
+                        skipper.register(key)
+                    index += 1
+                    continue
+            # Does not fit: evict the last started request at or after this one, then retry it.
+            victim_index = -1
+            for candidate in range(end - 1, index - 1, -1):
+                if self._is_started(active[candidate]):
+                    victim_index = candidate
+                    break
+            if victim_index < 0:
+                break
+            victim = active[victim_index]
+            kv.scheduling_remove_sequence(victim.request_id)
+            if cross is not None:
+                cross.scheduling_remove_sequence(victim.request_id)
+            paused.append(victim)
+            end = victim_index
+        return _split(scheduled, paused)
+
+
+def make_capacity_scheduler(
+    policy: CapacitySchedulerPolicy,
+    max_num_requests: int,
+    kv: BlockManager | None,
+    *,
+    cross_kv: BlockManager | None = None,
+    peft: PeftBudget | None = None,
+    prefix_aware: bool = True,
+    until: LlmRequestState = S.CONTEXT_INIT,
+    after: LlmRequestState = S.GENERATION_COMPLETE,
+) -> CapacityScheduler:
+    """Policy selection (spec §4): without a KV manager it is MaxRequests, whatever was asked."""
+    if kv is None:
+        return MaxRequestsScheduler(max_num_requests, until=until, after=after)
+    if policy is CapacitySchedulerPolicy.MAX_UTILIZATION:
+        return MaxUtilizationScheduler(
+            max_num_requests, kv, cross_kv=cross_kv, peft=peft, prefix_aware=prefix_aware, until=until, after=after
+        )
+    if policy in (CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, CapacitySchedulerPolicy.STATIC_BATCH):
+        return GuaranteedNoEvictScheduler(
+            max_num_requests,
+            kv,
+            cross_kv=cross_kv,
+            peft=peft,
+            static_batch=policy is CapacitySchedulerPolicy.STATIC_BATCH,
+            prefix_aware=prefix_aware,
+            until=until,
+            after=after,
+        )
+    raise ValueError(f"unknown capacity policy {policy!r}")  # pragma: no cover - enum is closed

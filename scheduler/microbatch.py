@@ -1,0 +1,157 @@
+"""The micro-batch scheduler: this step's batch from the admitted requests (spec §5).
+
+Limits: max batch size (requests), max num tokens (compute tokens, None = unlimited), max context
+length; context chunking with EQUAL_PROGRESS / FIRST_COME_FIRST_SERVED / FORCE_CHUNK; reuse-adjusted
+compute (the first chunk of a request that will reuse a cached prefix costs only the rest); draft
+tokens fitted into the budget; beam-width consistency across the generation batch; requests still
+executing in another micro-batch (in flight) are skipped. Output order: contexts with chunks still
+to come first, then last chunks, each sorted by LoRA task; generation sorted by LoRA task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from scheduler.chunking import chunk_contexts, reusable_tokens
+from scheduler.config import ChunkingConfig, ContextChunkingPolicy
+from scheduler.errors import InvalidFieldError
+from scheduler.request import LlmRequest
+from scheduler.state import LlmRequestState
+
+S = LlmRequestState
+_ENCODER_INIT = S.ENCODER_INIT
+_CONTEXT_INIT = S.CONTEXT_INIT
+_CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
+_NO_TASK = -1
+
+
+def _lora_key(request: LlmRequest) -> int:
+    task = request.lora_task_id
+    return _NO_TASK if task is None else task
+
+
+@dataclass
+class MicroBatch:
+    context: list[LlmRequest] = field(default_factory=list)
+    generation: list[LlmRequest] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class MicroBatchScheduler:
+    def __init__(
+        self,
+        *,
+        chunking: ChunkingConfig | None = None,
+        max_context_length: int | None = None,
+        until: LlmRequestState = S.CONTEXT_INIT,
+        after: LlmRequestState = S.GENERATION_TO_COMPLETE,
+    ) -> None:
+        self.chunking = chunking
+        self.max_context_length = max_context_length
+        self.until = until
+        self.after = after
+
+    def schedule(
+        self,
+        requests: Sequence[LlmRequest],
+        inflight_ids: Collection[Hashable],
+        max_batch_size: int,
+        max_num_tokens: int | None,
+    ) -> MicroBatch:
+        until, after = self.until, self.after
+        chunking = self.chunking
+        max_context_length = self.max_context_length
+        batch_tokens = 0
+        num_requests = 0
+        context: list[LlmRequest] = []
+        generation: list[LlmRequest] = []
+        to_chunk: list[LlmRequest] = []
+        tentative_chunk_tokens = 0
+        all_fit = True
+        beam_width = 0
+        for request in requests:
+            state = request.state
+            if not (until <= state < after) or (inflight_ids and request.request_id in inflight_ids):
+                continue
+            if state is _ENCODER_INIT:
+                cost = request.encoder_input_len or 0
+                if max_context_length is not None and cost > max_context_length:
+                    raise InvalidFieldError(
+                        "encoder_input_len",
+                        f"request {request.request_id!r}: {cost} exceeds max_context_length {max_context_length}",
+                    )
+                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                    break
+                context.append(request)
+                batch_tokens += cost
+            elif state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS:
+                if chunking is None:
+                    reusable = reusable_tokens(request)
+                    num_tokens = len(request.tokens[0])
+                    cost = max(1, num_tokens - min(reusable, num_tokens) + len(request.draft_tokens))
+                    if max_context_length is not None and cost > max_context_length:
+                        raise InvalidFieldError(
+                            "max_context_length",
+                            f"request {request.request_id!r} needs {cost} context tokens without chunking, "
+                            f"more than max_context_length {max_context_length}",
+                        )
+                    if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                        break
+                    context.append(request)
+                    batch_tokens += cost
+                else:
+                    request.set_context_chunk_size(request.context_remaining_length)
+                    chunk = request.context_chunk_size
+                    cost = max(0, chunk - reusable_tokens(request))
+                    if request.is_last_context_chunk():
+                        cost += len(request.draft_tokens)
+                    if max_context_length is not None and max_context_length < cost:
+                        cost = max_context_length
+                        all_fit = False
+                    to_chunk.append(request)
+                    tentative_chunk_tokens += cost
+            else:
+                cost = request.beam_width_by_iter + len(request.draft_tokens)
+                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                    break
+                if beam_width == 0:
+                    beam_width = request.beam_width_by_iter
+                elif request.beam_width_by_iter != beam_width:
+                    continue  # one beam width per batch; not counted against the batch size
+                generation.append(request)
+                batch_tokens += cost
+            num_requests += 1
+            if num_requests >= max_batch_size:
+                break
+
+        chunked = False
+        if to_chunk:
+            if max_num_tokens is not None and tentative_chunk_tokens > max_num_tokens - batch_tokens:
+                all_fit = False
+            if chunking.policy is ContextChunkingPolicy.FORCE_CHUNK:
+                all_fit = False
+            if not all_fit:
+                chunked = True
+                capacity = None if max_num_tokens is None else max_num_tokens - batch_tokens
+                chunk_contexts(to_chunk, chunking.policy, capacity, chunking.unit_size, max_context_length)
+            for request in to_chunk:
+                chunk = request.context_chunk_size
+                if chunk > 0:
+                    context.append(request)
+                    cost = max(0, min(chunk, request.context_remaining_length - reusable_tokens(request)))
+                    if request.is_last_context_chunk():
+                        cost += len(request.draft_tokens)
+                    batch_tokens += cost
+
+        if chunked:
+            not_last = [r for r in context if not r.is_last_context_chunk()]
+            last = [r for r in context if r.is_last_context_chunk()]
+            not_last.sort(key=_lora_key)
+            last.sort(key=_lora_key)
+            context = not_last + last
+        elif len(context) > 1:
+            context.sort(key=_lora_key)
+        if len(generation) > 1:
+            generation.sort(key=_lora_key)
+        return MicroBatch(context, generation, batch_tokens)
