@@ -26,7 +26,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from scheduler.block_hash import BLOCK_HASH_BYTES, _lora_bytes, _ROOT
+from scheduler.block_hash import _ROOT, BLOCK_HASH_BYTES, _lora_bytes
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -115,13 +115,25 @@ class _ReuseNode:
 class KvSequence:
     """The blocks of one request. Full context blocks are shared by every beam; the rest is per beam."""
 
-    __slots__ = ("request_id", "beam_blocks", "num_tokens", "lora_task_id")
+    __slots__ = ("request_id", "beam_blocks", "num_tokens", "lora_task_id", "total_blocks_per_beam")
 
-    def __init__(self, request_id: Hashable, beam_blocks: list[list[int]], num_tokens: int, lora_task_id) -> None:
+    def __init__(
+        self,
+        request_id: Hashable,
+        beam_blocks: list[list[int]],
+        num_tokens: int,
+        lora_task_id,
+        total_blocks_per_beam: int = 0,
+    ) -> None:
         self.request_id = request_id
         self.beam_blocks = beam_blocks
         self.num_tokens = num_tokens
         self.lora_task_id = lora_task_id
+        # ceil((P + N) / tpb) when the simple form of "remaining blocks to completion" holds for
+        # this sequence (no sink, no temporary window, P + N within the window): then it is
+        # (total_blocks_per_beam - allocated) * beam width, computed inline on the hot path.
+        # 0 means "use the general formula".
+        self.total_blocks_per_beam = total_blocks_per_beam
 
     def distinct_blocks(self) -> list[int]:
         if len(self.beam_blocks) == 1:
@@ -170,6 +182,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def sequences(self) -> dict[Hashable, KvSequence]:
+        """Live sequences by request id (read-only use: the schedulers' hot loops look them up)."""
+        return self._sequences
 
     def has_sequence(self, request_id: Hashable) -> bool:
         return request_id in self._sequences
@@ -290,7 +307,10 @@ class BlockManager:
         keys = self._keys(request)
         if not keys or request.lora_task_id not in self._roots:
             return 0
-        matched = self._walk(request.lora_task_id, keys, len(keys))
+        # Only blocks that add_sequence will really share: the full blocks of the first P-1 tokens.
+        # (TensorRT-LLM counts the full blocks of all P tokens here, which over-credits one block
+        # when P is a multiple of tokens_per_block, so admission could over-commit the pool.)
+        matched = self._walk(request.lora_task_id, keys, (request.prompt_len - 1) // self.tokens_per_block)
         if not only_allocated:
             return len(matched)
         ref = self._ref
@@ -314,12 +334,13 @@ class BlockManager:
         return (request.lora_task_id, id(parent) if parent is not None else None, keys[len(matched)])
 
     # --- sequence operations ------------------------------------------------------------------
-    def add_sequence(self, request: LlmRequest, num_tokens: int | None = None) -> int:
+    def add_sequence(self, request: LlmRequest, num_tokens: int | None = None, *, reuse: bool = True) -> int:
         """Allocate blocks for the request's prompt (or `num_tokens`, e.g. an encoder output).
 
         With reuse, the full blocks of the first P-1 prompt tokens are matched against the tree and
         shared; the request's context window is moved past them (set_prepopulated_prompt_len).
-        Returns the number of reused prompt tokens. Idempotent failure: if the pool runs out,
+        Returns the number of reused prompt tokens. `reuse=False` allocates every block fresh (a
+        generation-only request whose whole KV is about to be received). If the pool runs out,
         nothing stays allocated.
         """
         request_id = request.request_id
@@ -329,7 +350,7 @@ class BlockManager:
         length = request.prompt_len if num_tokens is None else num_tokens
         beam_width = request.beam_width
         matched: list[_ReuseNode] = []
-        if self.enable_block_reuse and num_tokens is None:
+        if self.enable_block_reuse and reuse and num_tokens is None:
             keys = self._keys(request)
             matched = self._walk(request.lora_task_id, keys, (length - 1) // tpb)
         num_full = length // tpb
@@ -351,7 +372,17 @@ class BlockManager:
         if has_partial:
             for blocks in beam_blocks:
                 blocks.append(self._allocate_fresh())
-        self._sequences[request_id] = KvSequence(request_id, beam_blocks, length, request.lora_task_id)
+        cfg = self.config
+        total_len = request.prompt_len + request.max_new_tokens
+        simple = (
+            not cfg.is_cross_attention
+            and cfg.sink_token_len == 0
+            and cfg.temporary_attention_window == 0
+            and total_len <= cfg.max_attention_window
+        )
+        self._sequences[request_id] = KvSequence(
+            request_id, beam_blocks, length, request.lora_task_id, _ceil_div(total_len, tpb) if simple else 0
+        )
         self.num_reused_blocks += len(matched)
         reused_tokens = len(matched) * tpb
         if reused_tokens:

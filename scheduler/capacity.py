@@ -31,6 +31,7 @@ _ENCODER_INIT = S.ENCODER_INIT
 _CONTEXT_INIT = S.CONTEXT_INIT
 _CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
 _GEN_INIT = S.DISAGG_GENERATION_INIT
+_GEN_IN_PROGRESS = S.GENERATION_IN_PROGRESS
 _GENERATION_STATES = frozenset({S.GENERATION_IN_PROGRESS, S.GENERATION_TO_COMPLETE, S.DISAGG_GENERATION_TRANS_COMPLETE})
 _UNLIMITED_PAGES = 0x7FFFFFFF
 
@@ -42,7 +43,9 @@ class CapacityOutput:
     paused: list[LlmRequest] = field(default_factory=list)
 
 
-def _split(scheduled: list[LlmRequest], paused: list[LlmRequest]) -> CapacityOutput:
+def _split(scheduled: list[LlmRequest], paused: list[LlmRequest], any_disagg: bool = True) -> CapacityOutput:
+    if not any_disagg:
+        return CapacityOutput(scheduled, [], paused)
     fitting: list[LlmRequest] = []
     disagg: list[LlmRequest] = []
     for request in scheduled:
@@ -91,6 +94,10 @@ class _PrefixSkipper:
 
 class CapacityScheduler:
     """Base: the window check and the shared inputs."""
+
+    # The inlined fast paths for plain generating requests; tests switch them off to check that
+    # both paths give the same schedule.
+    use_hot_paths = True
 
     def __init__(
         self,
@@ -162,9 +169,23 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         pending_disagg: list[LlmRequest] = []
         pending: list[LlmRequest] = []
         remaining = kv.remaining_blocks_to_completion
+        sequences = kv.sequences
+        # Hot path: a plain generating request (no cross pool, no LoRA, beam width 1) whose
+        # sequence has the simple remaining-blocks form; everything else takes the general path.
+        fast = self.use_hot_paths and cross is None and until <= _GEN_IN_PROGRESS < after
 
         for request in active:
             state = request.state
+            if fast and state is _GEN_IN_PROGRESS and request.lora_task_id is None and request.beam_width == 1:
+                if len(scheduled) >= limit:
+                    break
+                scheduled.append(request)
+                sequence = sequences.get(request.request_id)
+                if sequence is not None and sequence.total_blocks_per_beam:
+                    available -= sequence.total_blocks_per_beam - len(sequence.beam_blocks[0])
+                else:
+                    available -= remaining(request)
+                continue
             if not (until <= state < after) and state is not _GEN_INIT:
                 continue
             if len(scheduled) >= limit:
@@ -184,7 +205,7 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 pending.append(request)
 
         if self.static_batch and scheduled:
-            return _split(scheduled, [])
+            return _split(scheduled, [], any_disagg=False)
 
         available_pages = (peft.max_device_pages if peft is not None else _UNLIMITED_PAGES) - claimed_pages
         skipper = _PrefixSkipper(kv, active) if self.skipping else None
@@ -221,7 +242,7 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 elif not blocks_fit:
                     break  # strict head-of-line blocking within the group
                 # else: only the PEFT budget failed; try the next request
-        return _split(scheduled, [])
+        return _split(scheduled, [], any_disagg=bool(pending_disagg))
 
 
 class MaxUtilizationScheduler(CapacityScheduler):
@@ -263,53 +284,89 @@ class MaxUtilizationScheduler(CapacityScheduler):
         max_pages = peft.max_device_pages if peft is not None else _UNLIMITED_PAGES
         skipper = _PrefixSkipper(kv, active) if self.skipping else None
         needed = kv.needed_blocks_one_step
-        has_free = kv.scheduling_has_free_blocks
+        sequences = kv.sequences
+        tpb = kv.tokens_per_block
+        max_token_num = kv.config.max_token_num
+        # Hot path: a plain generating request (no cross pool, no LoRA, beam width 1, no draft
+        # tokens, one-step look-ahead) needs one block iff its KV ends on a block boundary.
+        fast = (
+            self.use_hot_paths and cross is None and not kv.config.two_steps_lookahead and until <= _GEN_IN_PROGRESS < after
+        )
+        free = kv.scheduling_free_blocks  # changes only when a victim is simulated away
         scheduled_blocks = 0
         cross_scheduled_blocks = 0
         scheduled_pages = 0
         tasks: set[int] = set()
         scheduled: list[LlmRequest] = []
         paused: list[LlmRequest] = []
+        any_disagg = False
         index = 0
         end = len(active)
         while index < end:
             request = active[index]
             state = request.state
-            if not (until <= state < after) and state is not _GEN_INIT:
-                index += 1
-                continue
-            key = None
             if (
-                skipper is not None
-                and (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS)
-                and request.context_current_position == request.prepopulated_prompt_len
+                fast
+                and state is _GEN_IN_PROGRESS
+                and request.lora_task_id is None
+                and request.beam_width == 1
+                and not request.draft_tokens
             ):
-                skip, key = skipper.key_if_not_skipped(request)
-                if skip:
+                if len(scheduled) < limit:
+                    sequence = sequences.get(request.request_id)
+                    if sequence is not None:
+                        current = sequence.num_tokens
+                        need = (
+                            1
+                            if current % tpb == 0
+                            and current - request.prompt_len < request.max_new_tokens
+                            and current < max_token_num
+                            else 0
+                        )
+                    else:
+                        need = needed(request)
+                    if free >= scheduled_blocks + need:
+                        scheduled.append(request)
+                        scheduled_blocks += need
+                        index += 1
+                        continue
+            else:
+                if not (until <= state < after) and state is not _GEN_INIT:
                     index += 1
                     continue
-            if len(scheduled) < limit:
-                need = needed(request)
-                cross_need = cross.needed_blocks_one_step(request) if cross is not None else 0
-                task = request.lora_task_id
-                pages = 0
-                if task is not None and peft is not None and task not in tasks:
-                    pages = peft.determine_num_pages(request)
+                key = None
                 if (
-                    has_free(scheduled_blocks + need)
-                    and (cross is None or cross.scheduling_has_free_blocks(cross_scheduled_blocks + cross_need))
-                    and scheduled_pages + pages <= max_pages
+                    skipper is not None
+                    and (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS)
+                    and request.context_current_position == request.prepopulated_prompt_len
                 ):
-                    scheduled.append(request)
-                    scheduled_blocks += need
-                    cross_scheduled_blocks += cross_need
-                    scheduled_pages += pages
-                    if task is not None:
-                        tasks.add(task)
-                    if skipper is not None:
-                        skipper.register(key)
-                    index += 1
-                    continue
+                    skip, key = skipper.key_if_not_skipped(request)
+                    if skip:
+                        index += 1
+                        continue
+                if len(scheduled) < limit:
+                    need = needed(request)
+                    cross_need = cross.needed_blocks_one_step(request) if cross is not None else 0
+                    task = request.lora_task_id
+                    pages = 0
+                    if task is not None and peft is not None and task not in tasks:
+                        pages = peft.determine_num_pages(request)
+                    if (
+                        free >= scheduled_blocks + need
+                        and (cross is None or cross.scheduling_has_free_blocks(cross_scheduled_blocks + cross_need))
+                        and scheduled_pages + pages <= max_pages
+                    ):
+                        scheduled.append(request)
+                        any_disagg = any_disagg or state is _GEN_INIT
+                        scheduled_blocks += need
+                        cross_scheduled_blocks += cross_need
+                        scheduled_pages += pages
+                        if task is not None:
+                            tasks.add(task)
+                        if skipper is not None:
+                            skipper.register(key)
+                        index += 1
+                        continue
             # Does not fit: evict the last started request at or after this one, then retry it.
             victim_index = -1
             for candidate in range(end - 1, index - 1, -1):
@@ -320,11 +377,12 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 break
             victim = active[victim_index]
             kv.scheduling_remove_sequence(victim.request_id)
+            free = kv.scheduling_free_blocks
             if cross is not None:
                 cross.scheduling_remove_sequence(victim.request_id)
             paused.append(victim)
             end = victim_index
-        return _split(scheduled, paused)
+        return _split(scheduled, paused, any_disagg)
 
 
 def make_capacity_scheduler(

@@ -23,6 +23,7 @@ S = LlmRequestState
 _ENCODER_INIT = S.ENCODER_INIT
 _CONTEXT_INIT = S.CONTEXT_INIT
 _CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
+_GEN_IN_PROGRESS = S.GENERATION_IN_PROGRESS
 _NO_TASK = -1
 
 
@@ -39,6 +40,10 @@ class MicroBatch:
 
 
 class MicroBatchScheduler:
+    # The inlined fast path for plain generating requests; tests switch it off to check that both
+    # paths give the same batch.
+    use_hot_paths = True
+
     def __init__(
         self,
         *,
@@ -70,10 +75,35 @@ class MicroBatchScheduler:
         tentative_chunk_tokens = 0
         all_fit = True
         beam_width = 0
+        has_lora = False
+        gen_in_window = self.use_hot_paths and until <= _GEN_IN_PROGRESS < after
         for request in requests:
             state = request.state
+            if state is _GEN_IN_PROGRESS and gen_in_window:
+                # Hot path (the common case): the general generation branch below, minus its
+                # window and state dispatch.
+                if inflight_ids and request.request_id in inflight_ids:
+                    continue
+                width = request.beam_width_by_iter
+                cost = width + len(request.draft_tokens)
+                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                    break
+                if beam_width == 0:
+                    beam_width = width
+                elif width != beam_width:
+                    continue
+                generation.append(request)
+                batch_tokens += cost
+                if request.lora_task_id is not None:
+                    has_lora = True
+                num_requests += 1
+                if num_requests >= max_batch_size:
+                    break
+                continue
             if not (until <= state < after) or (inflight_ids and request.request_id in inflight_ids):
                 continue
+            if request.lora_task_id is not None:
+                has_lora = True
             if state is _ENCODER_INIT:
                 cost = request.encoder_input_len or 0
                 if max_context_length is not None and cost > max_context_length:
@@ -144,14 +174,17 @@ class MicroBatchScheduler:
                         cost += len(request.draft_tokens)
                     batch_tokens += cost
 
+        # Stable sorts by LoRA task (no task first); skipped when no request has a task, since
+        # then they are the identity.
         if chunked:
             not_last = [r for r in context if not r.is_last_context_chunk()]
             last = [r for r in context if r.is_last_context_chunk()]
-            not_last.sort(key=_lora_key)
-            last.sort(key=_lora_key)
+            if has_lora:
+                not_last.sort(key=_lora_key)
+                last.sort(key=_lora_key)
             context = not_last + last
-        elif len(context) > 1:
+        elif has_lora and len(context) > 1:
             context.sort(key=_lora_key)
-        if len(generation) > 1:
+        if has_lora and len(generation) > 1:
             generation.sort(key=_lora_key)
         return MicroBatch(context, generation, batch_tokens)

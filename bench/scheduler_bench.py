@@ -1,0 +1,155 @@
+"""Scheduler cost per request per step, against a floor loop, in one run.
+
+For 256, 1024 and 4096 active requests (about 90% generating with 1-4k tokens of context, 10% new
+prompts of 1-4k tokens, chunked prefill on, prefix reuse on), with the KV pool roomy and under
+pressure (so MAX_UTILIZATION pauses), it times both scheduler levels together for each capacity
+policy. Between timed calls a model-free executor advances the requests (untimed), so the state
+evolves as in a real engine. The floor is one Python loop reading one attribute of each request.
+
+Targets: at 4096 requests every policy costs at most 30x the floor per request; and the cost per
+request at 4096 is within 1.3x of the cost at 256 (nothing super-linear, pause loop included).
+
+    python bench/scheduler_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import Target, emit_result, print_table, progress  # noqa: E402
+from scheduler.block_manager import BlockManager, BlockManagerConfig  # noqa: E402
+from scheduler.config import (  # noqa: E402
+    CapacitySchedulerPolicy,
+    ChunkingConfig,
+    ContextChunkingPolicy,
+    SchedulerConfig,
+)
+from scheduler.request import LlmRequest  # noqa: E402
+from scheduler.scheduler import TwoLevelScheduler  # noqa: E402
+from scheduler.simulation import SimulatedExecutor  # noqa: E402
+from scheduler.state import LlmRequestState  # noqa: E402
+
+TOKENS_PER_BLOCK = 32
+MAX_NUM_TOKENS = 8192
+CHUNK_UNIT = 512
+MAX_NEW_TOKENS = 100_000  # generating requests never finish during the run
+MAX_SEQ_LEN = 4096 + MAX_NEW_TOKENS
+
+
+def build(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, seed: int):
+    rng = random.Random(seed)
+    num_generating = num_requests * 9 // 10
+    requests = []
+    blocks_held = 0
+    for request_id in range(num_requests):
+        context_len = rng.randint(1024, 4096)
+        prompt = [rng.randrange(32000) for _ in range(context_len)]
+        requests.append(LlmRequest(request_id, prompt, MAX_NEW_TOKENS))
+        if request_id < num_generating:
+            blocks_held += -(-context_len // TOKENS_PER_BLOCK)
+    # Roomy: everything (prompts included) fits twice over. Pressure: what the generating requests
+    # hold plus 1% slack, so growth and new prompts force MAX_UTILIZATION to pause.
+    total_prompt_blocks = sum(-(-r.prompt_len // TOKENS_PER_BLOCK) for r in requests)
+    num_blocks = blocks_held + max(8, blocks_held // 100) if pressure else 2 * total_prompt_blocks
+    kv = BlockManager(
+        BlockManagerConfig(
+            tokens_per_block=TOKENS_PER_BLOCK,
+            num_blocks=num_blocks,
+            max_attention_window=MAX_SEQ_LEN,
+            enable_block_reuse=True,
+        )
+    )
+    for request in requests[:num_generating]:
+        kv.add_sequence(request)
+        request.move_to_next_context_chunk()
+        request.add_new_token(rng.randrange(32000))
+        request.set_state(LlmRequestState.GENERATION_IN_PROGRESS)
+    config = SchedulerConfig(
+        max_num_requests=num_requests,
+        max_batch_size=num_requests,
+        max_num_tokens=MAX_NUM_TOKENS,
+        capacity_policy=policy,
+        chunking=ChunkingConfig(ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, CHUNK_UNIT),
+    )
+    return requests, kv, TwoLevelScheduler(config, kv)
+
+
+def floor_ns_per_request(requests: list[LlmRequest], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for request in requests:
+            request.state  # noqa: B018 - the floor: one attribute read per request
+        samples.append((time.perf_counter_ns() - start) / len(requests))
+    return statistics.median(samples)
+
+
+def run_case(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, steps: int) -> tuple[float, int]:
+    requests, kv, scheduler = build(num_requests, pressure, policy, seed=num_requests)
+    executor = SimulatedExecutor(kv)
+    samples = []
+    pauses = 0
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(steps):
+            start = time.perf_counter_ns()
+            output = scheduler.schedule(requests)
+            samples.append((time.perf_counter_ns() - start) / len(requests))
+            pauses += len(output.paused)
+            executor.prepare(output)
+            executor.complete(output)
+    finally:
+        gc.enable()
+    # Median over steps: robust to a noisy neighbour on a shared machine.
+    return statistics.median(samples) / 1000.0, pauses
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few steps (CI smoke)")
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args()
+    sizes = [256, 1024] if args.quick else [256, 1024, 4096]
+    steps = args.steps or (3 if args.quick else 12)
+    policies = list(CapacitySchedulerPolicy)
+
+    rows = []
+    figures: dict[str, float] = {}
+    floor_requests, _, _ = build(max(sizes), False, CapacitySchedulerPolicy.GUARANTEED_NO_EVICT, seed=0)
+    floor_us = floor_ns_per_request(floor_requests, repeats=50) / 1000.0
+    del floor_requests
+    figures["floor_us_per_request"] = round(floor_us, 4)
+    for pressure in (False, True):
+        for policy in policies:
+            for size in sizes:
+                progress(f"scheduler_bench: {policy.name} n={size} {'pressure' if pressure else 'roomy'} ...")
+                cost_us, pauses = run_case(size, pressure, policy, steps)
+                key = f"{policy.name}_{'pressure' if pressure else 'roomy'}_{size}"
+                figures[f"{key}_us_per_request"] = round(cost_us, 4)
+                figures[f"{key}_pauses"] = pauses
+                rows.append([policy.name, "pressure" if pressure else "roomy", size, cost_us, cost_us / floor_us, pauses])
+
+    print_table(["policy", "pool", "requests", "us/request/step", "x floor", "pauses"], rows)
+    largest, smallest = max(sizes), min(sizes)
+    targets: dict[str, Target] = {}
+    for pressure in ("roomy", "pressure"):
+        for policy in policies:
+            at_large = figures[f"{policy.name}_{pressure}_{largest}_us_per_request"]
+            at_small = figures[f"{policy.name}_{pressure}_{smallest}_us_per_request"]
+            targets[f"{policy.name}_{pressure}_{largest}_x_floor"] = Target(at_large / floor_us, 30.0, False)
+            targets[f"{policy.name}_{pressure}_{largest}_vs_{smallest}"] = Target(at_large / at_small, 1.3, False)
+    emit_result("scheduler_bench", figures, targets)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""Focused tests of the scheduler's parts: typed errors, states, pause, chunking with snapshot points."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.block_hash import block_hash_chain
+from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind
+from scheduler.capacity import MaxUtilizationScheduler
+from scheduler.chunking import chunk_contexts
+from scheduler.config import (
+    CapacitySchedulerPolicy,
+    ChunkingConfig,
+    ContextChunkingPolicy,
+    ReorderPolicy,
+    SchedulerConfig,
+)
+from scheduler.errors import IllegalStateTransition, InvalidFieldError, OutOfBlocksError
+from scheduler.ordering import insert_by_priority, priority_order
+from scheduler.request import LlmRequest
+from scheduler.scheduler import TwoLevelScheduler
+from scheduler.state import TRANSITIONS, LlmRequestState
+
+S = LlmRequestState
+
+
+# --- typed errors naming the field ------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": -3}, "max_new_tokens"),
+        ({"max_new_tokens": True}, "max_new_tokens"),
+        ({"beam_width": 0}, "beam_width"),
+        ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"priority": 1.5}, "priority"),
+        ({"lora_task_id": -2}, "lora_task_id"),
+        ({"snapshot_points": (4, 2)}, "snapshot_points"),
+        ({"snapshot_points": (99,)}, "snapshot_points"),
+        ({"encoder_input_len": 0}, "encoder_input_len"),
+    ],
+)
+def test_bad_request_fields_raise_typed_errors(kwargs, field) -> None:
+    args = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(InvalidFieldError) as error:
+        LlmRequest(1, [1, 2, 3, 4, 5, 6], **args)
+    assert error.value.field == field
+
+
+def test_empty_prompt_is_rejected() -> None:
+    with pytest.raises(InvalidFieldError, match="prompt_token_ids"):
+        LlmRequest(1, [], 4)
+
+
+def test_negative_chunk_size_is_rejected() -> None:
+    request = LlmRequest(1, [1] * 10, 4)
+    with pytest.raises(InvalidFieldError, match="context_chunk_size"):
+        request.set_context_chunk_size(-1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_num_requests": 0}, "max_num_requests"),
+        ({"max_batch_size": -1}, "max_batch_size"),
+        ({"max_num_tokens": 0}, "max_num_tokens"),
+        ({"max_context_length": 0}, "max_context_length"),
+        ({"capacity_policy": "MAX_UTILIZATION"}, "capacity_policy"),
+        (
+            {"chunking": ChunkingConfig(ContextChunkingPolicy.FORCE_CHUNK, 64), "max_context_length": 32},
+            "max_context_length",
+        ),
+    ],
+)
+def test_bad_scheduler_config_raises_typed_errors(kwargs, field) -> None:
+    args = {"max_num_requests": 4, "max_batch_size": 4, **kwargs}
+    with pytest.raises(InvalidFieldError) as error:
+        SchedulerConfig(**args)
+    assert error.value.field == field
+
+
+def test_unknown_policy_names_are_typed_errors() -> None:
+    with pytest.raises(InvalidFieldError) as error:
+        CapacitySchedulerPolicy.parse("FASTEST")
+    assert error.value.field == "capacity_policy"
+    with pytest.raises(InvalidFieldError) as error:
+        ContextChunkingPolicy.parse("HALF")
+    assert error.value.field == "chunking.policy"
+    with pytest.raises(InvalidFieldError):
+        ChunkingConfig(ContextChunkingPolicy.EQUAL_PROGRESS, 0)
+    assert CapacitySchedulerPolicy.parse("max_utilization") is CapacitySchedulerPolicy.MAX_UTILIZATION
+
+
+def test_chunk_unit_must_be_a_block_multiple() -> None:
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=16, num_blocks=8, max_attention_window=128))
+    config = SchedulerConfig(4, 4, chunking=ChunkingConfig(ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, 24))
+    with pytest.raises(InvalidFieldError) as error:
+        TwoLevelScheduler(config, kv)
+    assert error.value.field == "chunking.unit_size"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"tokens_per_block": 0}, "tokens_per_block"),
+        ({"num_blocks": -1}, "num_blocks"),
+        ({"sink_token_len": -1}, "sink_token_len"),
+        ({"is_cross_attention": True, "enable_block_reuse": True}, "enable_block_reuse"),
+    ],
+)
+def test_bad_block_manager_config(kwargs, field) -> None:
+    args = {"tokens_per_block": 4, "num_blocks": 8, "max_attention_window": 64, **kwargs}
+    with pytest.raises(InvalidFieldError) as error:
+        BlockManagerConfig(**args)
+    assert error.value.field == field
+
+
+# --- states ------------------------------------------------------------------------------------
+def test_numeric_values_match_tensorrt_llm() -> None:
+    assert S.CONTEXT_INIT == 10 and S.GENERATION_IN_PROGRESS == 13 and S.DISAGG_TRANS_ERROR == -1
+    assert S.DISAGG_GENERATION_INIT == 8 and S.DISAGG_CONTEXT_TRANS_IN_PROGRESS == 21
+    assert all(state in TRANSITIONS for state in S)
+
+
+def test_predicates() -> None:
+    assert S.CONTEXT_INIT.is_context_init and S.DISAGG_CONTEXT_INIT_AND_TRANS.is_context_init
+    assert S.DISAGG_GENERATION_TRANS_COMPLETE.is_generation_in_progress
+    assert S.GENERATION_TO_COMPLETE.is_generation_in_progress
+    assert not S.GENERATION_COMPLETE.is_generation_in_progress
+    assert S.DISAGG_CONTEXT_TRANS_IN_PROGRESS.is_finished and S.GENERATION_COMPLETE.is_finished
+    assert S.DISAGG_CONTEXT_INIT_AND_TRANS.is_context_finished
+    assert S.GENERATION_COMPLETE.is_terminal and S.DISAGG_TRANS_ERROR.is_terminal
+    assert not S.CONTEXT_INIT.is_terminal
+
+
+def test_illegal_transitions_are_refused() -> None:
+    request = LlmRequest(1, [1, 2, 3], 4)
+    with pytest.raises(IllegalStateTransition):
+        request.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
+    request.set_state(S.GENERATION_IN_PROGRESS)
+    request.set_state(S.GENERATION_COMPLETE)
+    with pytest.raises(IllegalStateTransition):
+        request.set_state(S.GENERATION_IN_PROGRESS)
+
+
+# --- pause -------------------------------------------------------------------------------------
+def test_pause_beam_width_one_turns_generated_tokens_into_prompt() -> None:
+    request = LlmRequest(1, [5, 6, 7], 10)
+    request.set_state(S.GENERATION_IN_PROGRESS)
+    request.context_current_position = 3
+    for token in (8, 9, 10, 11):
+        request.add_new_token(token)
+    request.pause(max_input_len=1000)
+    assert request.state is S.CONTEXT_INIT
+    assert request.prompt_len == 7 and request.max_new_tokens == 6
+    assert request.tokens[0] == [5, 6, 7, 8, 9, 10, 11]
+    assert request.context_chunk_size == 7 and request.context_current_position == 0
+    # Capped by max_input_len: the rest is discarded and will be regenerated.
+    request.set_state(S.GENERATION_IN_PROGRESS)
+    request.add_new_token(12)
+    request.pause(max_input_len=5)
+    assert request.prompt_len == 5 and request.tokens[0] == [5, 6, 7, 8, 9] and request.max_new_tokens == 8
+
+
+def test_pause_beam_search_discards_generated_tokens() -> None:
+    request = LlmRequest(1, [5, 6, 7], 10, beam_width=3)
+    request.set_state(S.GENERATION_IN_PROGRESS)
+    request.add_new_tokens([1, 2, 3])
+    request.add_new_tokens([4, 5, 6])
+    request.pause(max_input_len=1000)
+    assert request.prompt_len == 3 and request.max_new_tokens == 10
+    assert request.tokens == [[5, 6, 7]] * 3
+
+
+def test_pause_of_encoder_request_returns_to_encoder_init() -> None:
+    request = LlmRequest(1, [1, 2], 4, encoder_input_len=6)
+    assert request.state is S.ENCODER_INIT
+    request.set_state(S.CONTEXT_INIT)
+    request.set_state(S.GENERATION_IN_PROGRESS)
+    request.pause(1000)
+    assert request.state is S.ENCODER_INIT
+
+
+# --- FORCE_CHUNK with snapshot points (our rule, from the newest TensorRT-LLM) ------------------
+def _context(prompt_len: int, points=()) -> LlmRequest:
+    return LlmRequest(1, [0] * prompt_len, 1, snapshot_points=points)
+
+
+def test_force_chunk_ends_each_chunk_at_the_next_snapshot_point() -> None:
+    request = _context(100, points=(30, 45, 80))
+    chunks = []
+    while request.context_remaining_length:
+        chunk_contexts([request], ContextChunkingPolicy.FORCE_CHUNK, None, 16, None)
+        chunks.append(request.context_chunk_size)
+        request.move_to_next_context_chunk()
+    assert chunks == [30, 15, 35, 20]  # 0->30, 30->45, 45->80, 80->end
+
+
+def test_force_chunk_snapshot_chunk_capped_by_max_context_length_and_capacity() -> None:
+    request = _context(100, points=(90,))
+    chunk_contexts([request], ContextChunkingPolicy.FORCE_CHUNK, None, 16, 50)
+    assert request.context_chunk_size == 48  # largest unit multiple within max_context_length
+    request = _context(100, points=(90,))
+    chunk_contexts([request], ContextChunkingPolicy.FORCE_CHUNK, 40, 16, None)
+    assert request.context_chunk_size == 32  # capacity overflow rounded down to a unit multiple
+    request = _context(100, points=(90,))
+    chunk_contexts([request], ContextChunkingPolicy.FORCE_CHUNK, 10, 16, None)
+    assert request.context_chunk_size == 0
+
+
+def test_force_chunk_without_points_keeps_the_cpp_rule_next_to_snapshot_requests() -> None:
+    plain = LlmRequest(2, [0] * 25, 1)
+    snap = _context(40, points=(20,))
+    chunk_contexts([snap, plain], ContextChunkingPolicy.FORCE_CHUNK, 25, 10, None)
+    assert snap.context_chunk_size == 20
+    assert plain.context_chunk_size == 0  # 20 + 10 would overflow 25: all or nothing
+
+
+# --- ordering ------------------------------------------------------------------------------------
+def test_priority_insertion_and_reorder_hook() -> None:
+    active: list[LlmRequest] = []
+    for request_id, priority in [(0, 0.5), (1, 0.9), (2, 0.5), (3, 0.1), (4, 0.9)]:
+        insert_by_priority(active, LlmRequest(request_id, [1], 1, priority=priority))
+    assert [r.request_id for r in active] == [1, 4, 0, 2, 3]
+    by_id = {r.request_id: r for r in active}
+    shuffled = [by_id[i] for i in (4, 2, 0, 3, 1)]
+    # Stable: equal priorities keep their order in the list given.
+    assert [r.request_id for r in priority_order(shuffled)] == [4, 1, 2, 0, 3]
+
+
+def test_priority_reorder_changes_admission() -> None:
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=2, max_attention_window=64))
+    low = LlmRequest("low", [1] * 6, 2, priority=0.1)
+    high = LlmRequest("high", [2] * 6, 2, priority=0.9)
+    fifo = TwoLevelScheduler(SchedulerConfig(4, 4), kv).schedule([low, high])
+    assert [r.request_id for r in fifo.context] == ["low"]
+    ranked = TwoLevelScheduler(SchedulerConfig(4, 4, reorder=ReorderPolicy.PRIORITY), kv).schedule([low, high])
+    assert [r.request_id for r in ranked.context] == ["high"]
+
+
+# --- block manager -----------------------------------------------------------------------------
+def test_prefix_reuse_events_use_the_shared_block_hashes() -> None:
+    kv = BlockManager(
+        BlockManagerConfig(tokens_per_block=4, num_blocks=16, max_attention_window=64, enable_block_reuse=True, record_events=True)
+    )
+    prompt = list(range(13))
+    first = LlmRequest(1, prompt, 4, lora_task_id=None)
+    kv.add_sequence(first)
+    kv.store_context_blocks(first)
+    events = kv.drain_events()
+    assert [e.kind for e in events] == [PrefixEventKind.STORED] * 3
+    assert [e.block_hash for e in events] == block_hash_chain(prompt, 4)
+    second = LlmRequest(2, prompt[:9] + [99, 98, 97], 4)
+    assert kv.add_sequence(second) == 8  # two full blocks shared
+    assert second.context_current_position == 8
+    kv.remove_sequence(1)
+    kv.remove_sequence(2)
+    assert kv.num_free_blocks == 16 and kv.num_cached_free_blocks == 3
+    kv.check_integrity()
+
+
+def test_cached_blocks_are_evicted_only_for_fresh_allocations() -> None:
+    kv = BlockManager(
+        BlockManagerConfig(tokens_per_block=2, num_blocks=4, max_attention_window=64, enable_block_reuse=True, record_events=True)
+    )
+    first = LlmRequest(1, [1, 2, 3, 4, 5], 1)
+    kv.add_sequence(first)
+    kv.store_context_blocks(first)
+    kv.remove_sequence(1)
+    kv.drain_events()
+    assert kv.num_free_blocks == 4 and kv.num_cached_free_blocks == 2
+    # A sequence that needs every block evicts the cached ones (and says so).
+    big = LlmRequest(2, [9] * 8, 1)
+    kv.add_sequence(big)
+    assert kv.num_free_blocks == 0
+    assert sorted(e.kind.value for e in kv.drain_events()) == ["removed", "removed"]
+    with pytest.raises(OutOfBlocksError):
+        kv.add_sequence(LlmRequest(3, [1], 1))
+    kv.check_integrity()
+
+
+def test_add_sequence_failure_leaves_nothing_allocated() -> None:
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=2, max_attention_window=64))
+    with pytest.raises(OutOfBlocksError):
+        kv.add_sequence(LlmRequest(1, [1] * 12, 1))
+    assert kv.num_free_blocks == 2
+    kv.check_integrity()
+
+
+def test_scheduling_snapshot_counts_shared_blocks_once() -> None:
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=2, num_blocks=8, max_attention_window=64, enable_block_reuse=True))
+    base = LlmRequest(1, [1, 2, 3, 4, 5], 4)
+    kv.add_sequence(base)
+    kv.store_context_blocks(base)
+    twin = LlmRequest(2, [1, 2, 3, 4, 6], 4)
+    kv.add_sequence(twin)  # shares two blocks with `base`
+    kv.start_scheduling()
+    free = kv.scheduling_free_blocks
+    kv.scheduling_remove_sequence(2)
+    assert kv.scheduling_free_blocks == free + 1  # only its own last block
+    kv.scheduling_remove_sequence(1)
+    assert kv.scheduling_free_blocks == free + 4
+    assert kv.num_free_blocks == free  # the real counts are untouched
+
+
+def test_max_utilization_pause_loop_is_linear_in_requests() -> None:
+    # Every generating request needs a block this step and none is free: the loop evicts from the
+    # tail; it must finish and visit each request a bounded number of times.
+    tpb = 2
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=tpb, num_blocks=200, max_attention_window=64))
+    active = []
+    for request_id in range(200):
+        request = LlmRequest(request_id, [1, 2], 8)
+        kv.add_sequence(request)
+        request.move_to_next_context_chunk()
+        request.add_new_token(0)
+        request.set_state(S.GENERATION_IN_PROGRESS)
+        active.append(request)
+    calls = 0
+    original = kv.needed_blocks_one_step
+
+    def counting(request):
+        nonlocal calls
+        calls += 1
+        return original(request)
+
+    kv.needed_blocks_one_step = counting  # type: ignore[method-assign]
+    output = MaxUtilizationScheduler(1000, kv).schedule(active)
+    # Each admission needs the block freed by evicting one request from the tail.
+    assert [r.request_id for r in output.fitting] == list(range(100))
+    assert [r.request_id for r in output.paused] == list(range(199, 99, -1))
+    assert calls <= 2 * len(active)
