@@ -1,0 +1,441 @@
+"""Placement: which instance runs each hop of a request, as pure functions of the request, the
+instances' load snapshots and health, and the prefix overlap (cluster/prefix_index.py).
+
+Policies (each a small class with its params from cluster/config.py):
+
+* RoundRobin: the next instance id after the last one chosen, in id order, wrapping; stable when
+  instances join or leave.
+* LeastLoaded: Llumnix freeness = (free blocks - blocks the queued prompts need) / max(1, running
+  requests); highest wins, ties to the smallest id.
+* KvAware: Dynamo's cost = prefill_weight * max(uncached prompt blocks + active prefill blocks, 0)
+  + decode blocks, where
+    uncached prompt blocks = ceil(prompt / tokens_per_block) - cached leading blocks on the instance,
+    active prefill blocks  = ceil(queued_prompt_tokens / tokens_per_block) (prompts queued there),
+    decode blocks          = blocks in use on the instance + blocks this request will hold there
+                             (prompt + expected decode tokens; the prompt only on a PREFILL
+                             instance, which frees them once the KV has been sent).
+  Lowest cost wins, ties to the smallest id; temperature > 0 samples from softmax(-cost / T) with an
+  injected random.Random.
+* ConditionalDisagg: whether a request skips the prefill hop and runs colocated on its generation
+  instance (short prompt, or mostly cached there), with the reason.
+
+`Placer` runs the two hops: the generation hop first (GENERATION and MIXED instances), then the
+disaggregation decision on that instance's overlap (llm-d style: prefill runs remotely only when the
+uncached part on the chosen decode instance is worth it), then the prefill hop (PREFILL instances).
+Only HEALTHY instances are ever chosen. When no PREFILL instance is healthy the placer uses the
+COLOCATE_WHEN_NO_PREFILL fallback only if the config allows it, and says so in the result;
+otherwise it raises NoInstanceAvailable. All instances are assumed to share tokens_per_block (the KV
+transfer requires it), so the request's block hashes mean the same on each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Protocol
+
+from cluster.config import (
+    ConditionalDisaggConfig,
+    DisaggMode,
+    FallbackKind,
+    KvAwareParams,
+    LeastLoadedParams,
+    PlacementConfig,
+    PolicyParams,
+    RoundRobinParams,
+)
+from cluster.request_state import Route
+from cluster.snapshot import MAX_BLOCK_HASH, InstanceLoad, InstanceRole
+
+logger = logging.getLogger(__name__)
+
+
+class PlacementError(Exception):
+    """Base of placement errors."""
+
+
+class NoInstanceAvailable(PlacementError):
+    """No healthy instance can take this hop, and no allowed fallback applies."""
+
+    def __init__(self, pool: str, reason: str) -> None:
+        self.pool = pool
+        self.reason = reason
+        super().__init__(f"no {pool} instance available: {reason}")
+
+
+class InvalidPlacementInput(PlacementError, ValueError):
+    """A malformed request or candidate list (a bug in the caller, not a load condition)."""
+
+
+class InstanceHealth(Enum):
+    """The router's verdict on an instance; only HEALTHY ones receive new work."""
+
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An instance as placement sees it: its latest snapshot and its health."""
+
+    load: InstanceLoad
+    health: InstanceHealth = InstanceHealth.HEALTHY
+
+    @property
+    def instance_id(self) -> str:
+        return self.load.instance_id
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What placement needs to know of a request. `block_hashes` is the chain of the prompt's full
+    blocks (scheduler/block_hash.py, with the request's LoRA task)."""
+
+    request_id: str
+    prompt_tokens: int
+    block_hashes: tuple[int, ...]
+    expected_decode_tokens: int
+    lora_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidPlacementInput("request_id must be a non-empty string")
+        if type(self.prompt_tokens) is not int or self.prompt_tokens < 1:
+            raise InvalidPlacementInput(
+                f"prompt_tokens must be a positive integer, got {self.prompt_tokens!r}"
+            )
+        if type(self.expected_decode_tokens) is not int or self.expected_decode_tokens < 0:
+            raise InvalidPlacementInput(
+                f"expected_decode_tokens must be an integer >= 0, got {self.expected_decode_tokens!r}"
+            )
+        if not isinstance(self.block_hashes, tuple) or len(self.block_hashes) > self.prompt_tokens:
+            raise InvalidPlacementInput("block_hashes must be a tuple with at most one hash per prompt token")
+        if not all(type(h) is int and 0 <= h <= MAX_BLOCK_HASH for h in self.block_hashes):
+            raise InvalidPlacementInput("block_hashes must be unsigned 64-bit integers")
+        if self.lora_id is not None and type(self.lora_id) is not int:
+            raise InvalidPlacementInput(f"lora_id must be an integer or None, got {self.lora_id!r}")
+
+
+@dataclass(frozen=True)
+class Fallback:
+    kind: FallbackKind
+    reason: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One hop's choice. `scores` holds every eligible instance's score as the policy defines it
+    (see the policy's `score_meaning`); `fallback` is set when a configured fallback was used."""
+
+    instance_id: str
+    policy: str
+    scores: Mapping[str, float]
+    fallback: Fallback | None = None
+
+
+class Policy(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def score_meaning(self) -> str: ...
+
+    def choose(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[Candidate],
+        overlap_blocks: Mapping[str, int],
+    ) -> Placement: ...
+
+
+def _eligible(candidates: Sequence[Candidate], pool: str) -> list[Candidate]:
+    """The HEALTHY candidates in instance-id order (so every tie-break and sample is deterministic)."""
+    seen: set[str] = set()
+    for candidate in candidates:
+        if not isinstance(candidate, Candidate):
+            raise InvalidPlacementInput(f"expected Candidate, got {type(candidate).__name__}")
+        if candidate.instance_id in seen:
+            raise InvalidPlacementInput(f"instance {candidate.instance_id!r} appears twice")
+        seen.add(candidate.instance_id)
+    eligible = sorted(
+        (c for c in candidates if c.health is InstanceHealth.HEALTHY), key=lambda c: c.instance_id
+    )
+    if not eligible:
+        raise NoInstanceAvailable(pool, f"none of {len(candidates)} candidate(s) is healthy")
+    return eligible
+
+
+def _scores(values: Mapping[str, float]) -> Mapping[str, float]:
+    return MappingProxyType(dict(sorted(values.items())))
+
+
+class RoundRobin:
+    name = "round_robin"
+    score_meaning = "turns until chosen (lower first)"
+
+    def __init__(self, params: RoundRobinParams | None = None) -> None:
+        self._last_instance_id: str | None = None
+
+    def choose(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[Candidate],
+        overlap_blocks: Mapping[str, int],
+    ) -> Placement:
+        eligible = _eligible(candidates, "round-robin")
+        ids = [c.instance_id for c in eligible]
+        start = 0
+        if self._last_instance_id is not None:
+            # The first id after the last choice, so a joining or leaving instance does not reset
+            # the rotation.
+            start = next((i for i, iid in enumerate(ids) if iid > self._last_instance_id), 0)
+        order = ids[start:] + ids[:start]
+        self._last_instance_id = order[0]
+        return Placement(order[0], self.name, _scores({iid: float(turn) for turn, iid in enumerate(order)}))
+
+
+class LeastLoaded:
+    name = "least_loaded"
+    score_meaning = "Llumnix freeness (higher wins)"
+
+    def __init__(self, params: LeastLoadedParams | None = None) -> None:
+        pass
+
+    @staticmethod
+    def freeness(load: InstanceLoad) -> float:
+        return (load.free_blocks - load.queued_prompt_blocks) / max(1, load.running_requests)
+
+    def choose(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[Candidate],
+        overlap_blocks: Mapping[str, int],
+    ) -> Placement:
+        eligible = _eligible(candidates, "least-loaded")
+        scores = {c.instance_id: self.freeness(c.load) for c in eligible}
+        best = min(eligible, key=lambda c: (-scores[c.instance_id], c.instance_id))
+        return Placement(best.instance_id, self.name, _scores(scores))
+
+
+@dataclass(frozen=True)
+class KvCost:
+    """KvAware's cost of one instance, with its two terms (in blocks of that instance)."""
+
+    uncached_prompt_blocks: int
+    active_prefill_blocks: int
+    decode_blocks: int
+    cost: float
+
+
+def _blocks(tokens: int, tokens_per_block: int) -> int:
+    return -(-tokens // tokens_per_block)
+
+
+def cached_blocks(request: PlacementRequest, instance_id: str, overlap_blocks: Mapping[str, int]) -> int:
+    """The instance's overlap, clamped to the request's own chain (an index can never give more)."""
+    overlap = overlap_blocks.get(instance_id, 0)
+    if type(overlap) is not int or overlap < 0:
+        raise InvalidPlacementInput(f"overlap for {instance_id!r} must be an integer >= 0, got {overlap!r}")
+    return min(overlap, len(request.block_hashes))
+
+
+class KvAware:
+    name = "kv_aware"
+    score_meaning = "Dynamo cost in blocks (lower wins)"
+
+    def __init__(self, params: KvAwareParams | None = None, rng: random.Random | None = None) -> None:
+        self._params = params if params is not None else KvAwareParams()
+        if self._params.temperature > 0 and rng is None:
+            raise InvalidPlacementInput("kv_aware with temperature > 0 needs an injected random.Random")
+        self._rng = rng
+
+    def cost(self, request: PlacementRequest, load: InstanceLoad, cached: int) -> KvCost:
+        tokens_per_block = load.tokens_per_block
+        prompt_blocks = _blocks(request.prompt_tokens, tokens_per_block)
+        uncached = max(prompt_blocks - cached, 0)
+        active_prefill = load.queued_prompt_blocks
+        held_tokens = request.prompt_tokens
+        if load.role is not InstanceRole.PREFILL:
+            held_tokens += request.expected_decode_tokens
+        decode = load.used_blocks + _blocks(held_tokens, tokens_per_block)
+        cost = self._params.prefill_weight * max(uncached + active_prefill, 0) + decode
+        return KvCost(uncached, active_prefill, decode, cost)
+
+    def choose(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[Candidate],
+        overlap_blocks: Mapping[str, int],
+    ) -> Placement:
+        eligible = _eligible(candidates, "kv-aware")
+        costs = {
+            c.instance_id: self.cost(
+                request, c.load, cached_blocks(request, c.instance_id, overlap_blocks)
+            ).cost
+            for c in eligible
+        }
+        temperature = self._params.temperature
+        if temperature > 0:
+            assert self._rng is not None  # checked in __init__
+            lowest = min(costs.values())
+            # Shifting by the lowest cost keeps exp() in range; it cancels out of the softmax.
+            weights = [math.exp(-(costs[c.instance_id] - lowest) / temperature) for c in eligible]
+            chosen = self._rng.choices(eligible, weights=weights, k=1)[0]
+        else:
+            chosen = min(eligible, key=lambda c: (costs[c.instance_id], c.instance_id))
+        return Placement(chosen.instance_id, self.name, _scores(costs))
+
+
+def build_policy(params: PolicyParams, rng: random.Random | None = None) -> Policy:
+    if isinstance(params, RoundRobinParams):
+        return RoundRobin(params)
+    if isinstance(params, LeastLoadedParams):
+        return LeastLoaded(params)
+    if isinstance(params, KvAwareParams):
+        return KvAware(params, rng)
+    raise InvalidPlacementInput(f"unknown policy params {params!r}")
+
+
+# --- Conditional disaggregation -----------------------------------------------------------------
+
+
+class DisaggReason(Enum):
+    ALWAYS = "always"  # mode ALWAYS
+    NEVER = "never"  # mode NEVER
+    SHORT_PROMPT = "short_prompt"
+    MOSTLY_CACHED = "mostly_cached"
+    LONG_UNCACHED_PROMPT = "long_uncached_prompt"
+
+
+@dataclass(frozen=True)
+class DisaggDecision:
+    disaggregate: bool
+    reason: DisaggReason
+    # Of the prompt, the fraction the generation instance would have to compute itself.
+    uncached_fraction: float
+    detail: str
+
+
+class ConditionalDisagg:
+    def __init__(self, mode: DisaggMode, thresholds: ConditionalDisaggConfig | None = None) -> None:
+        self._mode = mode
+        self._thresholds = thresholds if thresholds is not None else ConditionalDisaggConfig()
+
+    @staticmethod
+    def uncached_fraction(request: PlacementRequest, tokens_per_block: int, cached: int) -> float:
+        # An engine always computes at least the last prompt token, even on a full cache hit.
+        reused_tokens = min(cached * tokens_per_block, request.prompt_tokens - 1)
+        return (request.prompt_tokens - reused_tokens) / request.prompt_tokens
+
+    def decide(self, request: PlacementRequest, generation: InstanceLoad, cached: int) -> DisaggDecision:
+        """Whether `request`, whose generation hop goes to `generation` (holding `cached` of its
+        leading blocks), also takes a prefill hop."""
+        fraction = self.uncached_fraction(request, generation.tokens_per_block, cached)
+        if self._mode is DisaggMode.ALWAYS:
+            return DisaggDecision(True, DisaggReason.ALWAYS, fraction, "disaggregation mode is 'always'")
+        if self._mode is DisaggMode.NEVER:
+            return DisaggDecision(False, DisaggReason.NEVER, fraction, "disaggregation mode is 'never'")
+        min_tokens = self._thresholds.colocate_below_prompt_tokens
+        if request.prompt_tokens < min_tokens:
+            return DisaggDecision(
+                False,
+                DisaggReason.SHORT_PROMPT,
+                fraction,
+                f"prompt of {request.prompt_tokens} tokens is below {min_tokens}",
+            )
+        max_fraction = self._thresholds.colocate_below_uncached_fraction
+        if fraction < max_fraction:
+            return DisaggDecision(
+                False,
+                DisaggReason.MOSTLY_CACHED,
+                fraction,
+                f"uncached fraction {fraction:.3f} on {generation.instance_id} is below {max_fraction}",
+            )
+        return DisaggDecision(
+            True,
+            DisaggReason.LONG_UNCACHED_PROMPT,
+            fraction,
+            f"{request.prompt_tokens} tokens, uncached fraction {fraction:.3f} on {generation.instance_id}",
+        )
+
+
+# --- Both hops ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where a request runs. On the COLOCATED route `context` and `generation` name the same
+    instance; `context.fallback` is set when that happened because no PREFILL instance was healthy.
+    `decision` is what the disaggregation rule wanted, so on a fallback it still says disaggregate:
+    the router should record both in the request's timeline."""
+
+    request_id: str
+    route: Route
+    context: Placement
+    generation: Placement
+    decision: DisaggDecision
+
+    @property
+    def fallback(self) -> Fallback | None:
+        return self.context.fallback
+
+
+_GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
+
+
+class Placer:
+    """Places both hops of a request with the configured policies (round robin keeps its cursor here,
+    so keep one Placer per router)."""
+
+    def __init__(self, config: PlacementConfig, rng: random.Random | None = None) -> None:
+        self._config = config
+        self._prefill_policy = build_policy(config.prefill_policy, rng)
+        self._generation_policy = build_policy(config.generation_policy, rng)
+        self._disagg = ConditionalDisagg(config.disaggregation, config.conditional)
+
+    def place(
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[Candidate],
+        overlap_blocks: Mapping[str, int],
+    ) -> PlacementPlan:
+        generation_pool = [c for c in candidates if c.load.role in _GENERATION_ROLES]
+        if not any(c.health is InstanceHealth.HEALTHY for c in generation_pool):
+            raise NoInstanceAvailable(
+                "generation",
+                f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
+            )
+        generation = self._generation_policy.choose(request, generation_pool, overlap_blocks)
+        generation_load = next(c.load for c in generation_pool if c.instance_id == generation.instance_id)
+        decision = self._disagg.decide(
+            request, generation_load, cached_blocks(request, generation.instance_id, overlap_blocks)
+        )
+        if not decision.disaggregate:
+            return PlacementPlan(request.request_id, Route.COLOCATED, generation, generation, decision)
+
+        prefill_pool = [c for c in candidates if c.load.role is InstanceRole.PREFILL]
+        if any(c.health is InstanceHealth.HEALTHY for c in prefill_pool):
+            context = self._prefill_policy.choose(request, prefill_pool, overlap_blocks)
+            return PlacementPlan(request.request_id, Route.DISAGGREGATED, context, generation, decision)
+
+        reason = f"{len(prefill_pool)} PREFILL instance(s) registered, none healthy"
+        if FallbackKind.COLOCATE_WHEN_NO_PREFILL not in self._config.allowed_fallbacks:
+            raise NoInstanceAvailable("prefill", reason)
+        logger.warning(
+            "request %s: %s; running it colocated on %s (fallback %s)",
+            request.request_id,
+            reason,
+            generation.instance_id,
+            FallbackKind.COLOCATE_WHEN_NO_PREFILL.value,
+        )
+        context = dataclasses.replace(
+            generation, fallback=Fallback(FallbackKind.COLOCATE_WHEN_NO_PREFILL, reason)
+        )
+        return PlacementPlan(request.request_id, Route.COLOCATED, context, generation, decision)

@@ -1,0 +1,156 @@
+"""Which instance caches which KV blocks, fed by the prefix events in the instances' load snapshots.
+
+Block hashes are chain hashes (scheduler/block_hash.py): the hash of block i folds in every token
+before it and the LoRA task, so a flat map hash -> holders is enough to describe a radix tree of
+prefixes; no parent pointers are needed. A request's overlap with an instance is the number of
+leading blocks of its hash chain that the instance holds, without a hole (block i counts only when
+blocks 0..i-1 count), because an engine can only reuse a prefix.
+
+Keeping the index exact (the rules `apply` follows):
+
+* Snapshots of one instance are applied in sequence order. The first snapshot seen from an
+  instance is the baseline, whatever its sequence number.
+* A snapshot whose sequence number is not above the last one applied is stale (duplicated or
+  reordered) and changes nothing.
+* A gap (sequence > last + 1) means events were lost, so what the index knows about that instance
+  may be wrong in either direction: its entries are cleared before the new snapshot's events are
+  applied. The index then under-estimates that instance's cache (never over-estimates it) until
+  the blocks are stored again or the instance sends a `reset` snapshot listing its cache.
+* `reset` (a restarted instance, or one that dropped its cache) clears the instance's entries and
+  makes this snapshot the new baseline, even if its sequence number went down.
+* An instance can never cache more blocks than its pool holds; if the index would say so, removal
+  events were lost, and the instance's entries are cleared (and a warning logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from enum import Enum
+
+from cluster.snapshot import InstanceLoad, PrefixEventKind
+
+logger = logging.getLogger(__name__)
+
+
+class ApplyOutcome(Enum):
+    APPLIED = "applied"
+    RESET = "reset"
+    GAP_CLEARED = "gap_cleared"
+    STALE_IGNORED = "stale_ignored"
+    OVERFLOW_CLEARED = "overflow_cleared"
+
+
+class PrefixIndex:
+    """Block hash -> instances holding it, and the reverse, kept in step."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}
+        self._blocks: dict[str, set[int]] = {}
+        self._last_sequence: dict[str, int] = {}
+
+    def apply(self, load: InstanceLoad) -> ApplyOutcome:
+        """Fold one snapshot's prefix events into the index (see the module docstring for the rules)."""
+        instance_id = load.instance_id
+        last = self._last_sequence.get(instance_id)
+        if load.reset:
+            outcome = ApplyOutcome.RESET
+            self._clear(instance_id)
+        elif last is None:
+            outcome = ApplyOutcome.APPLIED
+        elif load.sequence <= last:
+            logger.debug(
+                "instance %s: stale snapshot %d (last applied %d) ignored", instance_id, load.sequence, last
+            )
+            return ApplyOutcome.STALE_IGNORED
+        elif load.sequence > last + 1:
+            logger.info(
+                "instance %s: snapshots %d..%d lost; clearing its prefix entries",
+                instance_id,
+                last + 1,
+                load.sequence - 1,
+            )
+            outcome = ApplyOutcome.GAP_CLEARED
+            self._clear(instance_id)
+        else:
+            outcome = ApplyOutcome.APPLIED
+        self._last_sequence[instance_id] = load.sequence
+        blocks = self._blocks.setdefault(instance_id, set())
+        for event in load.prefix_events:
+            if event.kind is PrefixEventKind.STORED:
+                for block_hash in event.block_hashes:
+                    blocks.add(block_hash)
+                    self._holders.setdefault(block_hash, set()).add(instance_id)
+            else:
+                for block_hash in event.block_hashes:
+                    # Removing an unknown block is normal after a gap or a reset.
+                    blocks.discard(block_hash)
+                    holders = self._holders.get(block_hash)
+                    if holders is not None:
+                        holders.discard(instance_id)
+                        if not holders:
+                            del self._holders[block_hash]
+        if len(blocks) > load.total_blocks:
+            logger.warning(
+                "instance %s: index holds %d blocks but its pool has %d; removal events were lost, clearing",
+                instance_id,
+                len(blocks),
+                load.total_blocks,
+            )
+            self._clear(instance_id)
+            return ApplyOutcome.OVERFLOW_CLEARED
+        return outcome
+
+    def overlap(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` held by each instance; instances with no overlap are absent.
+
+        Cost: O(matched blocks x instances still matching), independent of the index size.
+        """
+        result: dict[str, int] = {}
+        if not block_hashes:
+            return result
+        active = set(self._holders.get(block_hashes[0], ()))
+        depth = 0
+        for block_hash in block_hashes:
+            holders = self._holders.get(block_hash)
+            if holders is None:
+                break
+            dropped = [instance_id for instance_id in active if instance_id not in holders]
+            for instance_id in dropped:
+                active.discard(instance_id)
+                result[instance_id] = depth
+            if not active:
+                break
+            depth += 1
+        for instance_id in active:
+            result[instance_id] = depth
+        return {instance_id: depth for instance_id, depth in result.items() if depth > 0}
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget an instance entirely (it left the cluster or was declared dead)."""
+        self._clear(instance_id)
+        self._blocks.pop(instance_id, None)
+        self._last_sequence.pop(instance_id, None)
+
+    def instance_ids(self) -> frozenset[str]:
+        return frozenset(self._last_sequence)
+
+    def num_blocks(self, instance_id: str) -> int:
+        return len(self._blocks.get(instance_id, ()))
+
+    def holds(self, instance_id: str, block_hash: int) -> bool:
+        return instance_id in self._holders.get(block_hash, ())
+
+    def last_sequence(self, instance_id: str) -> int | None:
+        return self._last_sequence.get(instance_id)
+
+    def _clear(self, instance_id: str) -> None:
+        blocks = self._blocks.get(instance_id)
+        if not blocks:
+            return
+        for block_hash in blocks:
+            holders = self._holders[block_hash]
+            holders.discard(instance_id)
+            if not holders:
+                del self._holders[block_hash]
+        blocks.clear()

@@ -1,0 +1,417 @@
+"""Placement policies and the two-hop placer on synthetic snapshots."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cluster.config import (
+    ConditionalDisaggConfig,
+    DisaggMode,
+    FallbackKind,
+    KvAwareParams,
+    LeastLoadedParams,
+    PlacementConfig,
+    RoundRobinParams,
+)
+from cluster.placement import (
+    Candidate,
+    ConditionalDisagg,
+    DisaggReason,
+    InstanceHealth,
+    InvalidPlacementInput,
+    KvAware,
+    LeastLoaded,
+    NoInstanceAvailable,
+    PlacementRequest,
+    Placer,
+    RoundRobin,
+    build_policy,
+)
+from cluster.prefix_index import PrefixIndex
+from cluster.request_state import Route
+from cluster.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
+from scheduler.block_hash import block_hash_chain
+
+TPB = 16
+HEALTHY = InstanceHealth.HEALTHY
+
+
+def load(
+    instance_id: str,
+    role: InstanceRole = InstanceRole.GENERATION,
+    *,
+    total: int = 1000,
+    free: int = 1000,
+    running: int = 0,
+    queued_tokens: int = 0,
+    stored: tuple[int, ...] = (),
+) -> InstanceLoad:
+    return InstanceLoad(
+        instance_id=instance_id,
+        role=role,
+        sequence=0,
+        timestamp_s=0.0,
+        total_blocks=total,
+        free_blocks=free,
+        tokens_per_block=TPB,
+        queued_requests=1 if queued_tokens else 0,
+        running_requests=running,
+        queued_prompt_tokens=queued_tokens,
+        tokens_in_flight=0,
+        num_paused=0,
+        prefix_events=(PrefixEvent(PrefixEventKind.STORED, stored),) if stored else (),
+    )
+
+
+def cand(*args, health: InstanceHealth = HEALTHY, **kwargs) -> Candidate:
+    return Candidate(load(*args, **kwargs), health)
+
+
+def request(prompt_tokens: int = 160, decode_tokens: int = 32, hashes: tuple[int, ...] | None = None):
+    if hashes is None:
+        hashes = tuple(range(1000, 1000 + prompt_tokens // TPB))
+    return PlacementRequest("r", prompt_tokens, hashes, decode_tokens)
+
+
+# --- round robin -----------------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_in_id_order():
+    policy = RoundRobin(RoundRobinParams())
+    pool = [cand("c"), cand("a"), cand("b")]
+    picks = [policy.choose(request(), pool, {}).instance_id for _ in range(7)]
+    assert picks == ["a", "b", "c", "a", "b", "c", "a"]
+
+
+def test_round_robin_skips_unhealthy_and_survives_membership_changes():
+    policy = RoundRobin()
+    pool = [cand("a"), cand("b", health=InstanceHealth.DRAINING), cand("c")]
+    assert [policy.choose(request(), pool, {}).instance_id for _ in range(3)] == ["a", "c", "a"]
+    # "b" recovers: the rotation continues after the last choice, it does not restart.
+    pool = [cand("a"), cand("b"), cand("c")]
+    assert [policy.choose(request(), pool, {}).instance_id for _ in range(3)] == ["b", "c", "a"]
+    # "b" leaves while it is next.
+    pool = [cand("a"), cand("c")]
+    assert policy.choose(request(), pool, {}).instance_id == "c"
+
+
+def test_round_robin_scores_are_turns():
+    placement = RoundRobin().choose(request(), [cand("a"), cand("b")], {})
+    assert dict(placement.scores) == {"a": 0.0, "b": 1.0}
+    assert placement.policy == "round_robin"
+
+
+# --- least loaded ----------------------------------------------------------------------------------
+
+
+def test_least_loaded_picks_the_freest_by_llumnix_freeness():
+    pool = [
+        cand("a", free=500, running=4),  # 125
+        cand("b", free=300, running=1),  # 300
+        cand("c", free=900, running=2, queued_tokens=16 * 400),  # (900-400)/2 = 250
+        cand("d", free=200, running=0),  # 200 / max(1, 0)
+    ]
+    placement = LeastLoaded(LeastLoadedParams()).choose(request(), pool, {})
+    assert placement.instance_id == "b"
+    assert dict(placement.scores) == {"a": 125.0, "b": 300.0, "c": 250.0, "d": 200.0}
+
+
+def test_least_loaded_counts_partial_queued_blocks_and_can_go_negative():
+    assert LeastLoaded.freeness(load("a", free=10, running=1, queued_tokens=17 * TPB + 1)) == -8.0
+
+
+def test_least_loaded_breaks_ties_by_instance_id():
+    pool = [cand("z", free=100), cand("m", free=100, running=1), cand("q", free=50)]
+    assert LeastLoaded().choose(request(), pool, {}).instance_id == "m"
+
+
+# --- kv aware --------------------------------------------------------------------------------------
+
+
+def test_kv_aware_cost_terms():
+    policy = KvAware(KvAwareParams(prefill_weight=2.0))
+    # 150 prompt tokens = 10 blocks (rounded up), 8 cached; 40 queued prompt tokens = 3 blocks;
+    # 300 used blocks + (150 + 50) tokens held = 13 blocks.
+    cost = policy.cost(
+        PlacementRequest("r", 150, tuple(range(9)), 50), load("a", free=700, queued_tokens=40), cached=8
+    )
+    assert (cost.uncached_prompt_blocks, cost.active_prefill_blocks, cost.decode_blocks) == (2, 3, 313)
+    assert cost.cost == 2.0 * (2 + 3) + 313
+
+
+def test_kv_aware_prefill_instance_does_not_hold_decode_tokens():
+    policy = KvAware()
+    req = request(prompt_tokens=160, decode_tokens=480)
+    assert policy.cost(req, load("p", InstanceRole.PREFILL), 0).decode_blocks == 10
+    assert policy.cost(req, load("g", InstanceRole.GENERATION), 0).decode_blocks == 40
+
+
+@pytest.mark.parametrize(
+    ("cached_used_blocks", "winner"),
+    [
+        # prompt 160 tokens = 10 blocks, decode 32 tokens -> the request holds 12 blocks.
+        # A caches 8 blocks: cost = 2 + used_A + 12; B caches nothing: cost = 10 + 40 + 12 = 62.
+        (45, "a"),  # 59 < 62: the cached prefix wins
+        (48, "a"),  # 62 == 62: tie to the smaller id
+        (55, "b"),  # 69 > 62: A's load outweighs its cache
+    ],
+)
+def test_kv_aware_prefers_the_cached_prefix_unless_load_outweighs_it(cached_used_blocks, winner):
+    req = request(prompt_tokens=160, decode_tokens=32)
+    pool = [cand("a", free=1000 - cached_used_blocks), cand("b", free=960)]
+    placement = KvAware().choose(req, pool, {"a": 8})
+    assert placement.instance_id == winner
+    assert dict(placement.scores) == {"a": 2 + cached_used_blocks + 12, "b": 62.0}
+
+
+def test_kv_aware_with_a_real_prefix_index():
+    tokens = list(range(7, 7 + 160))
+    hashes = tuple(block_hash_chain(tokens, TPB))
+    index = PrefixIndex()
+    warm = load("warm", free=900, stored=hashes[:6])
+    cold = load("cold", free=900)
+    for instance in (warm, cold):
+        index.apply(instance)
+    req = PlacementRequest("r", len(tokens), hashes, 16)
+    placement = KvAware().choose(req, [Candidate(cold), Candidate(warm)], index.overlap(hashes))
+    assert placement.instance_id == "warm"
+    assert placement.scores["cold"] - placement.scores["warm"] == 6
+
+
+def test_kv_aware_clamps_an_overlap_longer_than_the_chain():
+    req = request(prompt_tokens=32)  # 2 hashes
+    assert KvAware().choose(req, [cand("a")], {"a": 50}).scores["a"] == 0 + 0 + 4
+
+
+def test_kv_aware_temperature_sampling_is_deterministic_with_a_seed():
+    req = request()
+    pool = [cand("a", free=990), cand("b", free=985), cand("c", free=960)]  # costs 22, 27, 52
+
+    def picks(seed: int) -> list[str]:
+        policy = KvAware(KvAwareParams(temperature=5.0), random.Random(seed))
+        return [policy.choose(req, pool, {}).instance_id for _ in range(300)]
+
+    assert picks(7) == picks(7)
+    assert picks(7) != picks(8)
+    counts = Counter(picks(7))
+    # softmax(-cost/5): a 0.731, b 0.269, c 0.0000
+    assert counts["a"] > counts["b"] > counts["c"]
+    assert 180 <= counts["a"] <= 260
+
+
+def test_kv_aware_zero_temperature_is_argmin_and_needs_no_rng():
+    pool = [cand("a", free=990), cand("b", free=985)]
+    assert {KvAware().choose(request(), pool, {}).instance_id for _ in range(20)} == {"a"}
+
+
+def test_kv_aware_temperature_without_rng_is_rejected():
+    with pytest.raises(InvalidPlacementInput):
+        KvAware(KvAwareParams(temperature=1.0))
+    with pytest.raises(InvalidPlacementInput):
+        build_policy(KvAwareParams(temperature=1.0), None)
+
+
+# --- shared policy behaviour -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [RoundRobin(), LeastLoaded(), KvAware(), KvAware(KvAwareParams(temperature=10.0), random.Random(1))],
+)
+def test_policies_reject_empty_or_all_unhealthy_pools(policy):
+    with pytest.raises(NoInstanceAvailable):
+        policy.choose(request(), [], {})
+    pool = [cand("a", health=InstanceHealth.UNHEALTHY), cand("b", health=InstanceHealth.DRAINING)]
+    with pytest.raises(NoInstanceAvailable):
+        policy.choose(request(), pool, {})
+
+
+def test_duplicate_instances_are_rejected():
+    with pytest.raises(InvalidPlacementInput):
+        LeastLoaded().choose(request(), [cand("a"), cand("a")], {})
+
+
+def test_negative_overlap_is_rejected():
+    with pytest.raises(InvalidPlacementInput):
+        KvAware().choose(request(), [cand("a")], {"a": -1})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(request_id="", prompt_tokens=10, block_hashes=(), expected_decode_tokens=1),
+        dict(request_id="r", prompt_tokens=0, block_hashes=(), expected_decode_tokens=1),
+        dict(request_id="r", prompt_tokens=True, block_hashes=(), expected_decode_tokens=1),
+        dict(request_id="r", prompt_tokens=10, block_hashes=(), expected_decode_tokens=-1),
+        dict(request_id="r", prompt_tokens=1, block_hashes=(1, 2), expected_decode_tokens=1),
+        dict(request_id="r", prompt_tokens=10, block_hashes=[1], expected_decode_tokens=1),
+        dict(request_id="r", prompt_tokens=10, block_hashes=(-1,), expected_decode_tokens=1),
+        dict(request_id="r", prompt_tokens=10, block_hashes=(), expected_decode_tokens=1, lora_id="x"),
+    ],
+)
+def test_placement_request_is_validated(kwargs):
+    with pytest.raises(InvalidPlacementInput):
+        PlacementRequest(**kwargs)
+
+
+# --- conditional disaggregation --------------------------------------------------------------------
+
+
+def test_conditional_disagg_short_prompt_skips_the_prefill_hop():
+    decider = ConditionalDisagg(DisaggMode.CONDITIONAL, ConditionalDisaggConfig(256, 0.0))
+    short = decider.decide(request(prompt_tokens=255), load("g"), cached=0)
+    assert (short.disaggregate, short.reason) == (False, DisaggReason.SHORT_PROMPT)
+    boundary = decider.decide(request(prompt_tokens=256), load("g"), cached=0)
+    assert (boundary.disaggregate, boundary.reason) == (True, DisaggReason.LONG_UNCACHED_PROMPT)
+
+
+def test_conditional_disagg_mostly_cached_prompt_skips_the_prefill_hop():
+    decider = ConditionalDisagg(DisaggMode.CONDITIONAL, ConditionalDisaggConfig(0, 0.25))
+    req = request(prompt_tokens=320)  # 20 blocks
+    cached = decider.decide(req, load("g"), cached=16)  # 64 of 320 tokens uncached = 0.2
+    assert (cached.disaggregate, cached.reason) == (False, DisaggReason.MOSTLY_CACHED)
+    assert cached.uncached_fraction == pytest.approx(0.2)
+    cold = decider.decide(req, load("g"), cached=15)  # 0.25 is not below 0.25
+    assert (cold.disaggregate, cold.reason) == (True, DisaggReason.LONG_UNCACHED_PROMPT)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    req = request(prompt_tokens=32)
+    assert ConditionalDisagg.uncached_fraction(req, TPB, cached=2) == pytest.approx(1 / 32)
+
+
+@pytest.mark.parametrize(
+    ("mode", "disaggregate", "reason"),
+    [(DisaggMode.ALWAYS, True, DisaggReason.ALWAYS), (DisaggMode.NEVER, False, DisaggReason.NEVER)],
+)
+def test_disagg_modes_ignore_thresholds(mode, disaggregate, reason):
+    decider = ConditionalDisagg(mode, ConditionalDisaggConfig(10_000, 1.0))
+    decision = decider.decide(request(prompt_tokens=16), load("g"), cached=1)
+    assert (decision.disaggregate, decision.reason) == (disaggregate, reason)
+
+
+# --- the two-hop placer ----------------------------------------------------------------------------
+
+
+def cluster(prefill_health=HEALTHY) -> list[Candidate]:
+    return [
+        cand("p0", InstanceRole.PREFILL, free=945, health=prefill_health),
+        cand("p1", InstanceRole.PREFILL, free=950, health=prefill_health),
+        cand("g0", InstanceRole.GENERATION, free=500, running=5),
+        cand("g1", InstanceRole.GENERATION, free=800, running=2),
+        cand("m0", InstanceRole.MIXED, free=100, running=8),
+    ]
+
+
+def test_placer_disaggregated_plan_uses_each_hop_policy():
+    config = PlacementConfig(prefill_policy=KvAwareParams(), generation_policy=LeastLoadedParams())
+    plan = Placer(config).place(request(), cluster(), {"p0": 10})
+    assert plan.route is Route.DISAGGREGATED
+    assert plan.generation.instance_id == "g1"  # freeness 400
+    assert plan.generation.policy == "least_loaded"
+    assert set(plan.generation.scores) == {"g0", "g1", "m0"}
+    assert plan.context.instance_id == "p0"  # cost 0 + 55 + 10 = 65 beats p1's 10 + 50 + 10 = 70
+    assert plan.context.policy == "kv_aware"
+    assert dict(plan.context.scores) == {"p0": 65.0, "p1": 70.0}
+    assert plan.fallback is None
+    assert plan.decision.reason is DisaggReason.ALWAYS
+
+
+def test_placer_conditional_colocates_on_the_generation_instance():
+    config = PlacementConfig(
+        disaggregation=DisaggMode.CONDITIONAL, conditional=ConditionalDisaggConfig(0, 0.5)
+    )
+    plan = Placer(config).place(request(prompt_tokens=160), cluster(), {"g1": 9})
+    assert plan.route is Route.COLOCATED
+    assert plan.context == plan.generation
+    assert plan.generation.instance_id == "g1"
+    assert plan.decision.reason is DisaggReason.MOSTLY_CACHED
+    assert plan.fallback is None
+
+
+def test_placer_never_mode_is_colocated_without_prefill_instances():
+    config = PlacementConfig(disaggregation=DisaggMode.NEVER)
+    plan = Placer(config).place(
+        request(), [c for c in cluster() if c.load.role is not InstanceRole.PREFILL], {}
+    )
+    assert plan.route is Route.COLOCATED and plan.fallback is None
+
+
+@pytest.mark.parametrize("prefill_health", [InstanceHealth.UNHEALTHY, InstanceHealth.DRAINING])
+def test_placer_without_healthy_prefill_fails_unless_fallback_allowed(prefill_health):
+    with pytest.raises(NoInstanceAvailable) as info:
+        Placer(PlacementConfig()).place(request(), cluster(prefill_health), {})
+    assert info.value.pool == "prefill"
+
+    config = PlacementConfig(allowed_fallbacks=frozenset({FallbackKind.COLOCATE_WHEN_NO_PREFILL}))
+    plan = Placer(config).place(request(), cluster(prefill_health), {})
+    assert plan.route is Route.COLOCATED
+    assert plan.context.instance_id == plan.generation.instance_id == "g1"
+    assert plan.fallback is not None
+    assert plan.fallback.kind is FallbackKind.COLOCATE_WHEN_NO_PREFILL
+    assert "2 PREFILL instance(s) registered, none healthy" in plan.fallback.reason
+    assert plan.decision.disaggregate  # what was wanted; the fallback says why it did not happen
+
+
+def test_placer_without_generation_instances_fails():
+    only_prefill = [c for c in cluster() if c.load.role is InstanceRole.PREFILL]
+    with pytest.raises(NoInstanceAvailable) as info:
+        Placer(PlacementConfig()).place(request(), only_prefill, {})
+    assert info.value.pool == "generation"
+
+
+def test_placer_never_puts_the_generation_hop_on_a_prefill_instance():
+    pool = [cand("p0", InstanceRole.PREFILL, free=1000), cand("g0", free=1)]
+    plan = Placer(PlacementConfig(generation_policy=LeastLoadedParams())).place(request(), pool, {})
+    assert plan.generation.instance_id == "g0"
+    assert plan.context.instance_id == "p0"
+
+
+ROLES = st.sampled_from(InstanceRole)
+HEALTHS = st.sampled_from(InstanceHealth)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(ROLES, HEALTHS, st.integers(0, 1000), st.integers(0, 20), st.integers(0, 10)),
+        min_size=1,
+        max_size=8,
+    ),
+    st.sampled_from(
+        [RoundRobinParams(), LeastLoadedParams(), KvAwareParams(), KvAwareParams(temperature=50.0)]
+    ),
+    st.booleans(),
+)
+def test_placer_only_ever_chooses_healthy_instances_of_the_right_role(specs, policy, fallback):
+    pool = [
+        cand(f"i{n}", role, free=free, running=running, health=health)
+        for n, (role, health, free, running, _) in enumerate(specs)
+    ]
+    overlap = {f"i{n}": cached for n, (*_, cached) in enumerate(specs) if cached}
+    fallbacks = frozenset({FallbackKind.COLOCATE_WHEN_NO_PREFILL}) if fallback else frozenset()
+    config = PlacementConfig(prefill_policy=policy, generation_policy=policy, allowed_fallbacks=fallbacks)
+    healthy = {c.instance_id: c.load.role for c in pool if c.health is HEALTHY}
+    try:
+        plan = Placer(config, random.Random(0)).place(request(), pool, overlap)
+    except NoInstanceAvailable as err:
+        has_generation = any(role is not InstanceRole.PREFILL for role in healthy.values())
+        has_prefill = InstanceRole.PREFILL in healthy.values()
+        assert (err.pool == "generation" and not has_generation) or (
+            err.pool == "prefill" and has_generation and not has_prefill and not fallback
+        )
+        return
+    assert healthy[plan.generation.instance_id] is not InstanceRole.PREFILL
+    if plan.route is Route.DISAGGREGATED:
+        assert healthy[plan.context.instance_id] is InstanceRole.PREFILL
+    else:
+        assert plan.context.instance_id == plan.generation.instance_id
+        assert plan.fallback is not None and fallback
+    assert set(plan.generation.scores) == {
+        i for i, role in healthy.items() if role is not InstanceRole.PREFILL
+    }
