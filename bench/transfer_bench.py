@@ -9,6 +9,16 @@ and, interleaved with it, sends the same bytes over a plain TCP connection (send
 into a preallocated buffer). The receiver of both is one spawned process (worker/kv_transfer/
 testing.py). Medians are reported. Progress goes to stderr, a table to stdout, and the last stdout
 line is the JSON summary.
+
+Knobs (flags) and what they did on the 2-core development machine (noisy: other jobs share it):
+  malloc tuning (default on; --no-tune-malloc): receiver system time about 2.0 -> 0.6 CPU-s/GiB,
+      bandwidth up to about 1.5x; see worker/kv_transfer/malloc_tuning.py.
+  --streams/--connections: 2 over 2 beat 1 over 1 (CRC and copies of two chunks overlap); 4 was
+      worse on 2 cores.
+  --chunk-mib: 4 and 8 within noise; below 1 MiB per-message overhead shows.
+  gRPC HTTP/2 window and frame options (lookahead, BDP probing, max frame size): within noise.
+The remaining cost is CPU: CRC-32 on both sides (zlib here runs at about 2.5-3 GB/s, roughly a
+third of the transport's CPU time) and the copies Python gRPC makes (one on send, two on receive).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from worker.kv_layout import KvLayout  # noqa: E402
 from worker.kv_transfer.buffers import LinearKvBuffer  # noqa: E402
 from worker.kv_transfer.config import MIB, SenderConfig  # noqa: E402
 from worker.kv_transfer.ids import new_transfer_id  # noqa: E402
+from worker.kv_transfer.malloc_tuning import tune_malloc_for_transfers  # noqa: E402
 from worker.kv_transfer.sender import KvSender  # noqa: E402
 from worker.kv_transfer.testing import ReceiverProcess  # noqa: E402
 
@@ -89,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=SenderConfig.num_streams)
     parser.add_argument("--connections", type=int, default=SenderConfig.num_connections)
     parser.add_argument("--chunk-mib", type=float, default=SenderConfig.max_chunk_bytes / MIB)
+    parser.add_argument(
+        "--no-tune-malloc", action="store_true", help="keep glibc's malloc defaults (worker/kv_transfer/malloc_tuning.py)"
+    )
     args = parser.parse_args(argv)
+    tuned = not args.no_tune_malloc and tune_malloc_for_transfers().applied
     size_mib = args.size_mib or (32 if args.quick else 256)
     repetitions = args.repetitions or (3 if args.quick else 7)
     chunk_bytes = int(args.chunk_mib * MIB)
@@ -105,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sender_config = SenderConfig(num_streams=args.streams, num_connections=args.connections, max_chunk_bytes=chunk_bytes)
     receiver = ReceiverProcess(
-        config={"max_chunk_bytes": max(chunk_bytes, 64 * 1024), "max_streams_per_transfer": max(args.streams, 1)}
+        config={"max_chunk_bytes": max(chunk_bytes, 64 * 1024), "max_streams_per_transfer": max(args.streams, 1)},
+        tune_malloc=tuned,
     )
     grpc_times: list[float] = []
     raw_times: list[float] = []
@@ -150,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         ("zlib.crc32, one core", checksum_gbps),
     ]
     print(f"KV transfer bandwidth: {size_bytes / MIB:.0f} MiB, chunks {chunk_bytes / MIB:g} MiB, "
-          f"{args.streams} streams over {args.connections} connections, median of {repetitions}")
+          f"{args.streams} streams over {args.connections} connections, malloc {'tuned' if tuned else 'default'}, "
+          f"median of {repetitions}")
     print(f"{'path':<46} {'GB/s':>8}")
     for name, value in rows:
         print(f"{name:<46} {value:>8.3f}")
@@ -163,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             "streams": args.streams,
             "connections": args.connections,
             "repetitions": repetitions,
+            "malloc_tuned": tuned,
             "grpc_gbps": round(grpc_gbps, 4),
             "raw_tcp_gbps": round(raw_gbps, 4),
             "memcpy_gbps": round(copy_gbps, 4),

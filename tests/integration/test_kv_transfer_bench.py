@@ -1,0 +1,32 @@
+"""bench/transfer_bench.py --quick runs end to end and ends with the JSON summary line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(180)
+def test_quick_bench_prints_the_summary_envelope() -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "transfer_bench.py"), "--quick", "--size-mib", "8", "--repetitions", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "transfer"
+    figures = summary["figures"]
+    for name in ("grpc_gbps", "raw_tcp_gbps", "memcpy_gbps", "crc32_gbps", "ratio_grpc_vs_raw_tcp"):
+        assert figures[name] > 0, name
+    target = summary["targets"]["ratio_grpc_vs_raw_tcp"]
+    assert set(target) == {"value", "target", "met"} and target["met"] == (target["value"] >= target["target"])
+    assert "rep 1" in result.stderr  # progress goes to stderr

@@ -1,0 +1,189 @@
+"""Every fault kind gives its documented outcome (worker/kv_transfer/faults.py) on both sides: the
+sender's TransferOutcome and the calls the receiver's target got; the receiver serves on."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+
+import pytest
+
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.buffers import LinearKvBuffer
+from worker.kv_transfer.config import SenderConfig
+from worker.kv_transfer.failures import FailureReason
+from worker.kv_transfer.faults import FaultInjector
+from worker.kv_transfer.ids import new_transfer_id
+from worker.kv_transfer.sender import KvSender
+from worker.kv_transfer.testing import ReceiverProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+# 6 layers x 8 blocks of 8 KiB per layer: 6 whole-layer chunks of 64 KiB, dealt onto 2 streams
+# (chunks 0, 2, 4 on the first; 1, 3, 5 on the second).
+LAYOUT = KvLayout(num_layers=6, num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype="bfloat16", model_fingerprint="m")
+NUM_BLOCKS = 8
+SENDER_CONFIG = SenderConfig(num_streams=2, num_connections=2, max_chunk_bytes=64 * 1024)
+DEADLINE_S = 10.0
+SHORT_DEADLINE_S = 1.0
+
+SENDER_RULES = [
+    {"kind": "drop", "request_ids": ["tx-drop"], "chunk": 1},
+    {"kind": "delay", "request_ids": ["tx-delay"], "chunk": 0, "seconds": 0.2},
+    {"kind": "duplicate", "request_ids": ["tx-duplicate"]},
+    {"kind": "reorder", "request_ids": ["tx-reorder"], "chunk": 0},
+    {"kind": "corrupt", "request_ids": ["tx-corrupt"], "chunk": 1},
+    {"kind": "truncate", "request_ids": ["tx-truncate"], "chunk": 2},
+    {"kind": "stall", "request_ids": ["tx-stall"], "chunk": 1, "seconds": 0.2},
+    {"kind": "close", "request_ids": ["tx-close"], "chunk": 2},
+    {"kind": "kill", "request_ids": ["tx-kill"], "chunk": 2},
+]
+RECEIVER_RULES = [
+    {"kind": "drop", "side": "receiver", "request_ids": ["rx-drop"], "chunk": 1},
+    {"kind": "delay", "side": "receiver", "request_ids": ["rx-delay"], "chunk": 0, "seconds": 0.2},
+    {"kind": "stall", "side": "receiver", "request_ids": ["rx-stall"], "chunk": 0, "seconds": 0.2},
+    {"kind": "expire", "side": "receiver", "request_ids": ["rx-expire"], "chunk": 1},
+    {"kind": "refuse", "side": "receiver", "request_ids": ["rx-refuse"]},
+]
+
+
+def _source(seed: int = 3) -> LinearKvBuffer:
+    size = LAYOUT.run_bytes(LAYOUT.num_layers, NUM_BLOCKS)
+    return LinearKvBuffer(LAYOUT, NUM_BLOCKS, bytearray(random.Random(seed).randbytes(size)))
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with ReceiverProcess(
+        config={"max_chunk_bytes": 64 * 1024, "reaper_interval_s": 0.05},
+        faults={"seed": 1, "rules": RECEIVER_RULES},
+    ) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def sender():
+    with KvSender(SENDER_CONFIG, faults=FaultInjector.from_mapping({"seed": 1, "rules": SENDER_RULES})) as instance:
+        yield instance
+
+
+def _push(receiver: ReceiverProcess, sender: KvSender, request_id: str, deadline_s: float = DEADLINE_S):
+    source = _source()
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, request_id, LAYOUT, NUM_BLOCKS)
+    outcome = sender.push(receiver.address, transfer_id, request_id, source, deadline_s)
+    result, data = receiver.received_bytes(transfer_id, wait_s=5.0)
+    return outcome, result, data, source
+
+
+def _assert_still_serving(receiver: ReceiverProcess, sender: KvSender) -> None:
+    outcome, result, data, source = _push(receiver, sender, "healthy")
+    assert outcome.ok, outcome.failure
+    assert result.state == "COMMITTED" and data == bytes(source.view)
+
+
+@pytest.mark.parametrize("request_id", ["tx-delay", "tx-duplicate", "tx-reorder", "rx-delay"])
+def test_harmless_faults_still_deliver_every_byte(receiver, sender, request_id: str) -> None:
+    outcome, result, data, source = _push(receiver, sender, request_id)
+    assert outcome.ok, outcome.failure
+    assert result.state == "COMMITTED" and result.events == ("commit",)
+    assert data == bytes(source.view)
+    if request_id == "tx-duplicate":
+        assert result.writes == outcome.chunks_sent  # the copies were ignored, not written twice
+    _assert_still_serving(receiver, sender)
+
+
+@pytest.mark.parametrize(
+    ("request_id", "reason", "deadline_s"),
+    [
+        ("tx-drop", FailureReason.INCOMPLETE, DEADLINE_S),
+        ("tx-corrupt", FailureReason.CHECKSUM_MISMATCH, DEADLINE_S),
+        ("tx-truncate", FailureReason.INCOMPLETE, DEADLINE_S),
+        ("tx-stall", FailureReason.DEADLINE_EXCEEDED, SHORT_DEADLINE_S),
+        ("tx-close", FailureReason.PEER_UNAVAILABLE, DEADLINE_S),
+        ("rx-drop", FailureReason.INCOMPLETE, DEADLINE_S),
+        ("rx-stall", FailureReason.DEADLINE_EXCEEDED, SHORT_DEADLINE_S),
+        ("rx-expire", FailureReason.RESERVATION_EXPIRED, DEADLINE_S),
+    ],
+)
+def test_harmful_faults_fail_with_the_same_reason_on_both_sides(
+    receiver, sender, request_id: str, reason: FailureReason, deadline_s: float
+) -> None:
+    started = time.monotonic()
+    outcome, result, _, _ = _push(receiver, sender, request_id, deadline_s)
+    assert not outcome.ok
+    assert outcome.failure.reason is reason, outcome.failure
+    assert result.state == "FAILED" and result.failure_reason == reason.value, result
+    assert result.events == (f"fail:{reason.value}",)  # told exactly once, never committed
+    assert "fail-during-write" not in result.events and not any(e.startswith("write-after") for e in result.events)
+    assert time.monotonic() - started < deadline_s + 5.0  # bounded, never a hang
+    _assert_still_serving(receiver, sender)
+
+
+def test_refused_prepare_opens_nothing(receiver, sender) -> None:
+    outcome, result, _, _ = _push(receiver, sender, "rx-refuse")
+    assert outcome.failure is not None and outcome.failure.reason is FailureReason.RESOURCE_EXHAUSTED
+    assert outcome.chunks_sent == 0
+    assert result.state == "UNOPENED"
+    _assert_still_serving(receiver, sender)
+
+
+def _push_and_get_killed(address: str, transfer_id: str) -> None:
+    """Runs in a spawned sender process that the kill fault ends."""
+    with KvSender(SENDER_CONFIG, faults=FaultInjector.from_mapping({"seed": 1, "rules": SENDER_RULES})) as doomed:
+        doomed.push(address, transfer_id, "tx-kill", _source(), DEADLINE_S)
+
+
+def test_killed_sender_fails_the_transfer_on_the_receiver(receiver, sender) -> None:
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "tx-kill", LAYOUT, NUM_BLOCKS)
+    process = multiprocessing.get_context("spawn").Process(target=_push_and_get_killed, args=(receiver.address, transfer_id))
+    process.start()
+    process.join(60)
+    assert process.exitcode == -9  # SIGKILL
+    result = receiver.result(transfer_id, wait_s=5.0)
+    assert result.state == "FAILED" and result.failure_reason == FailureReason.PEER_UNAVAILABLE.value, result
+    _assert_still_serving(receiver, sender)
+
+
+def test_killed_receiver_is_peer_unavailable_to_the_sender() -> None:
+    doomed = ReceiverProcess(faults={"rules": [{"kind": "kill", "side": "receiver", "chunk": 1}]})
+    doomed.start()
+    try:
+        transfer_id = new_transfer_id()
+        doomed.expect(transfer_id, "victim", LAYOUT, NUM_BLOCKS)
+        with KvSender(SENDER_CONFIG) as plain:
+            started = time.monotonic()
+            outcome = plain.push(doomed.address, transfer_id, "victim", _source(), DEADLINE_S)
+        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE, outcome
+        assert time.monotonic() - started < DEADLINE_S
+        for _ in range(100):
+            if not doomed.is_alive():
+                break
+            time.sleep(0.05)
+        assert not doomed.is_alive()
+    finally:
+        doomed.kill()
+
+
+class _BrokenSource(LinearKvBuffer):
+    """An engine bug: reading the third chunk raises."""
+
+    def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int):
+        if layer_start == 2:
+            raise RuntimeError("cache tensor went away")
+        return super().read(layer_start, layer_end, block_start, block_end)
+
+
+def test_source_error_fails_the_push_and_the_receiver_hears_why(receiver, sender) -> None:
+    size = LAYOUT.run_bytes(LAYOUT.num_layers, NUM_BLOCKS)
+    source = _BrokenSource(LAYOUT, NUM_BLOCKS, bytearray(size))
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "engine-bug", LAYOUT, NUM_BLOCKS)
+    outcome = sender.push(receiver.address, transfer_id, "engine-bug", source, DEADLINE_S)
+    assert outcome.failure is not None and outcome.failure.reason is FailureReason.INTERNAL
+    assert "cache tensor went away" in outcome.failure.detail
+    result = receiver.result(transfer_id, wait_s=5.0)
+    assert result.events == ("fail:INTERNAL",), result
+    _assert_still_serving(receiver, sender)

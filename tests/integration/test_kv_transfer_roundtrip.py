@@ -1,0 +1,81 @@
+"""Two processes on 127.0.0.1: a receiver (spawned, with an in-memory sink) and the sender (this
+process). The bytes that arrive are exactly the bytes that were sent, for several layouts, sizes,
+chunkings and stream counts."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.buffers import LinearKvBuffer
+from worker.kv_transfer.config import SenderConfig
+from worker.kv_transfer.ids import new_transfer_id
+from worker.kv_transfer.sender import KvSender
+from worker.kv_transfer.testing import ReceiverProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+KIB = 1024
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    with ReceiverProcess(config={"max_chunk_bytes": 256 * KIB, "max_streams_per_transfer": 4}) as process:
+        yield process
+
+
+def _source(layout: KvLayout, num_blocks: int, seed: int) -> LinearKvBuffer:
+    size = layout.run_bytes(layout.num_layers, num_blocks)
+    return LinearKvBuffer(layout, num_blocks, bytearray(random.Random(seed).randbytes(size)))
+
+
+CASES = [
+    # (layout, num_blocks, chunk bytes, streams): whole-layer chunks, split layers with a partial last
+    # chunk, a single block, and each dtype.
+    (KvLayout(4, 2, 64, 16, "bfloat16", "llama-a"), 37, 64 * KIB, 3),
+    (KvLayout(4, 2, 64, 16, "bfloat16", "llama-a"), 5, 256 * KIB, 2),
+    (KvLayout(3, 1, 32, 8, "float32", "tiny"), 1, 64 * KIB, 4),
+    (KvLayout(2, 4, 128, 16, "float16", "mistral-b"), 13, 100 * KIB, 1),
+    (KvLayout(6, 2, 16, 4, "float32", "qwen-c"), 129, 64 * KIB, 4),
+]
+
+
+@pytest.mark.parametrize(("layout", "num_blocks", "chunk_bytes", "streams"), CASES)
+def test_bytes_arrive_identical(receiver: ReceiverProcess, layout: KvLayout, num_blocks: int, chunk_bytes: int, streams: int) -> None:
+    source = _source(layout, num_blocks, seed=num_blocks)
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, f"req-{num_blocks}", layout, num_blocks)
+    with KvSender(SenderConfig(num_streams=streams, num_connections=2, max_chunk_bytes=chunk_bytes)) as sender:
+        outcome = sender.push(receiver.address, transfer_id, f"req-{num_blocks}", source, deadline_s=30.0)
+    assert outcome.ok, outcome.failure
+    assert outcome.bytes_sent == source.size_bytes
+    assert outcome.num_streams == min(streams, outcome.chunks_sent)
+    result, data = receiver.received_bytes(transfer_id)
+    assert result.state == "COMMITTED" and result.events == ("commit",)
+    assert data == bytes(source.view)
+
+
+def test_concurrent_pushes_over_one_sender(receiver: ReceiverProcess) -> None:
+    layout = KvLayout(4, 2, 64, 16, "bfloat16", "llama-a")
+    sources = [_source(layout, 9 + index, seed=100 + index) for index in range(4)]
+    transfer_ids = [new_transfer_id() for _ in sources]
+    for index, (transfer_id, source) in enumerate(zip(transfer_ids, sources, strict=True)):
+        receiver.expect(transfer_id, f"conc-{index}", layout, source.num_blocks)
+    outcomes = [None] * len(sources)
+    with KvSender(SenderConfig(num_streams=2, max_chunk_bytes=64 * KIB)) as sender:
+
+        def push(index: int) -> None:
+            outcomes[index] = sender.push(receiver.address, transfer_ids[index], f"conc-{index}", sources[index], 30.0)
+
+        threads = [threading.Thread(target=push, args=(index,)) for index in range(len(sources))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert all(outcome is not None and outcome.ok for outcome in outcomes), outcomes
+    for transfer_id, source in zip(transfer_ids, sources, strict=True):
+        result, data = receiver.received_bytes(transfer_id)
+        assert result.state == "COMMITTED" and data == bytes(source.view)

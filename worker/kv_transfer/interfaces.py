@@ -1,0 +1,80 @@
+"""What the engines implement (sink, target, source) and what a push returns.
+
+Threading: the transport calls `TransferTarget.write` from several threads at once (one per Push
+stream), always for disjoint (layer, block) ranges, and `TransferSource.read` likewise. `commit` and
+`fail` are called at most once per target, and never both; after either, no more writes come.
+
+Block indices in every range are positions in the request's own block list (0 .. num_blocks-1),
+not cache block ids: each side maps them onto its cache's block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.failures import TransferFailure
+
+
+@runtime_checkable
+class TransferTarget(Protocol):
+    """The receiver's reserved blocks of one request."""
+
+    num_blocks: int
+    layout: KvLayout
+
+    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
+        """Store verified bytes laid out as [layer_end-layer_start, 2, block_end-block_start, T, H, D].
+
+        `data` is only valid during the call. Raise TransferRejected to fail the transfer."""
+        ...
+
+    def commit(self) -> None:
+        """Every byte arrived and was verified: the blocks become usable."""
+        ...
+
+    def fail(self, failure: TransferFailure) -> None:
+        """The transfer failed: the reservation's contents must never be read."""
+        ...
+
+
+@runtime_checkable
+class TransferSink(Protocol):
+    """The receiver side of the engine: turns a transfer id into the blocks reserved for it."""
+
+    def open(self, transfer_id: str, request_id: str, peer_layout: KvLayout) -> TransferTarget:
+        """Return the target reserved under `transfer_id`; raise TransferRejected(code, detail) to refuse
+        (UNKNOWN_TRANSFER for an id it never issued, RESERVATION_EXPIRED, RESOURCE_EXHAUSTED, ...)."""
+        ...
+
+
+@runtime_checkable
+class TransferSource(Protocol):
+    """The sender side of the engine: a request's computed KV blocks."""
+
+    layout: KvLayout
+    num_blocks: int
+
+    def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> memoryview | bytes:
+        """The bytes of a range, laid out as [layer_end-layer_start, 2, block_end-block_start, T, H, D].
+
+        A returned memoryview must stay valid and unchanged until the push returns."""
+        ...
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    """The result of one push. `failure` is None exactly when the receiver acknowledged the commit."""
+
+    transfer_id: str
+    request_id: str
+    failure: TransferFailure | None
+    bytes_sent: int
+    chunks_sent: int
+    num_streams: int
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None

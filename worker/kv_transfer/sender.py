@@ -1,0 +1,436 @@
+"""The sending end of KV transfers: pushes a request's KV from the prefill instance to the
+generation instance's KvTransferServer.
+
+One push: Prepare (both sides check compatibility before a byte moves), then the chunks over
+`num_streams` parallel client streams spread over `num_connections` TCP connections, then Commit,
+whose OK answer is the receiver's acknowledgement. `push` blocks, may be called from any thread,
+and never raises for a transfer failure: it returns a TransferOutcome naming the FailureReason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from duet_wire.v1 import kv_transfer_pb2 as pb
+from worker.kv_layout import KvLayoutError
+from worker.kv_transfer import codec
+from worker.kv_transfer.auth import bearer_metadata
+from worker.kv_transfer.config import SenderConfig, TransportSecurity, grpc_options
+from worker.kv_transfer.failures import FAILURE_METADATA_KEY, FailureReason, TransferFailure, reason_from_grpc
+from worker.kv_transfer.faults import NO_CHUNK_FAULTS, FaultInjector, FaultSide
+from worker.kv_transfer.ids import check_request_id, check_transfer_id
+from worker.kv_transfer.interfaces import TransferOutcome, TransferSource
+from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
+from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
+
+logger = logging.getLogger(__name__)
+
+_PREPARE = f"/{SERVICE_NAME}/Prepare"
+_PUSH = f"/{SERVICE_NAME}/Push"
+_COMMIT = f"/{SERVICE_NAME}/Commit"
+_ABORT = f"/{SERVICE_NAME}/Abort"
+# Receivers remembered with open connections; the least recently used beyond this are closed.
+MAX_CACHED_TARGETS = 64
+# Extra wait for stream results beyond the deadline before giving up on a wedged call.
+_WAIT_MARGIN_S = 2.0
+
+
+def _identity(frame: bytes) -> bytes:
+    return frame
+
+
+class _Connections:
+    """The channels to one receiver and the callables on them."""
+
+    def __init__(self, channels: list[grpc.Channel]) -> None:
+        self.channels = channels
+        first = channels[0]
+        self.prepare = first.unary_unary(
+            _PREPARE, request_serializer=pb.KvPrepareRequest.SerializeToString, response_deserializer=pb.KvPrepareResponse.FromString
+        )
+        self.commit = first.unary_unary(
+            _COMMIT, request_serializer=pb.KvCommitRequest.SerializeToString, response_deserializer=pb.KvCommitResponse.FromString
+        )
+        self.abort = first.unary_unary(
+            _ABORT, request_serializer=pb.KvAbortRequest.SerializeToString, response_deserializer=pb.KvAbortResponse.FromString
+        )
+        self.pushes = [
+            channel.stream_unary(_PUSH, request_serializer=_identity, response_deserializer=pb.KvPushResponse.FromString)
+            for channel in channels
+        ]
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+class KvSender:
+    """Pushes KV to receivers; keeps connections to each receiver open between pushes. Thread-safe."""
+
+    def __init__(
+        self,
+        config: SenderConfig | None = None,
+        *,
+        security: TransportSecurity | None = None,
+        faults: FaultInjector | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config or SenderConfig()
+        self._security = security or TransportSecurity()
+        self._faults = faults
+        self._clock = clock
+        self._metadata = bearer_metadata(self._security.token) if self._security.token is not None else ()
+        self._lock = threading.Lock()
+        self._connections: OrderedDict[str, _Connections] = OrderedDict()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            connections, self._connections = list(self._connections.values()), OrderedDict()
+        for connection in connections:
+            connection.close()
+
+    def __enter__(self) -> KvSender:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _connect(self, target: str) -> _Connections:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KvSender is closed")
+            connections = self._connections.get(target)
+            if connections is not None:
+                self._connections.move_to_end(target)
+                return connections
+            options: list[tuple[str, Any]] = [
+                *grpc_options(self._config.max_chunk_bytes),
+                # A pool per channel gives each channel its own TCP connection.
+                ("grpc.use_local_subchannel_pool", 1),
+            ]
+            tls = self._security.tls
+            channels = [
+                grpc.secure_channel(target, tls.channel_credentials(), options + tls.channel_options())
+                if tls is not None
+                else grpc.insecure_channel(target, options)
+                for _ in range(self._config.num_connections)
+            ]
+            connections = _Connections(channels)
+            self._connections[target] = connections
+            evicted = []
+            while len(self._connections) > MAX_CACHED_TARGETS:
+                evicted.append(self._connections.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        return connections
+
+    def drop_connections(self, target: str) -> None:
+        """Close the connections to `target` (the next push reconnects)."""
+        with self._lock:
+            connections = self._connections.pop(target, None)
+        if connections is not None:
+            connections.close()
+
+    def push(
+        self, target: str, transfer_id: str, request_id: str, source: TransferSource, deadline_s: float
+    ) -> TransferOutcome:
+        """Push all of `source` to the receiver at `target` (host:port) under `transfer_id`; the whole
+        push (prepare, chunks, commit) must finish within `deadline_s` seconds from now.
+
+        Raises ValueError only for invalid arguments (a caller's bug); every transfer failure is
+        returned in the outcome."""
+        check_transfer_id(transfer_id)
+        check_request_id(request_id)
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not math.isfinite(deadline_s) or deadline_s <= 0:
+            raise ValueError(f"deadline_s must be a positive finite number of seconds, got {deadline_s!r}")
+        run = _PushRun(self, target, transfer_id, request_id, source, self._clock() + deadline_s)
+        started_s = self._clock()
+        failure = run.execute()
+        outcome = TransferOutcome(
+            transfer_id=transfer_id,
+            request_id=request_id,
+            failure=failure,
+            bytes_sent=run.bytes_sent,
+            chunks_sent=run.chunks_sent,
+            num_streams=run.num_streams,
+            elapsed_s=self._clock() - started_s,
+        )
+        if failure is None:
+            logger.debug("pushed transfer %s: %d bytes in %.3f s", transfer_id, outcome.bytes_sent, outcome.elapsed_s)
+        else:
+            logger.warning("push of transfer %s (request %s) failed: %s", transfer_id, request_id, failure)
+        return outcome
+
+
+class _PushRun:
+    """The state of one push (its streams run in gRPC's request-consumer threads)."""
+
+    def __init__(
+        self, sender: KvSender, target: str, transfer_id: str, request_id: str, source: TransferSource, deadline_s: float
+    ) -> None:
+        self.sender = sender
+        self.target = target
+        self.transfer_id = transfer_id
+        self.request_id = request_id
+        self.source = source
+        self.deadline_s = deadline_s
+        self.finished = threading.Event()  # interrupts fault waits when the push ends
+        self._lock = threading.Lock()
+        self._local_failure: TransferFailure | None = None
+        self._skip_abort = False
+        self.chunks_sent = 0
+        self.bytes_sent = 0
+        self.num_streams = 0
+        self.checksum_algorithm = 0  # negotiated at Prepare
+        # Finished stream calls, and None whenever a local failure is set.
+        self._done: queue.Queue[grpc.Future | None] = queue.Queue()
+        injector = sender._faults
+        self.faults = injector.begin_transfer(FaultSide.SENDER, transfer_id, request_id) if injector is not None else None
+
+    def remaining_s(self) -> float:
+        return self.deadline_s - self.sender._clock()
+
+    def _set_local_failure(self, failure: TransferFailure, *, skip_abort: bool = False) -> None:
+        with self._lock:
+            if self._local_failure is None:
+                self._local_failure = failure
+                self._skip_abort = skip_abort
+        self._done.put(None)  # wakes _wait, which reads the local failure
+
+    @property
+    def local_failure(self) -> TransferFailure | None:
+        with self._lock:
+            return self._local_failure
+
+    def _failure_from_rpc(self, error: grpc.RpcError) -> TransferFailure:
+        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = (error.details() if isinstance(error, grpc.Call) else str(error)) or ""
+        metadata = error.trailing_metadata() if isinstance(error, grpc.Call) else None
+        reason = reason_from_grpc(code, metadata)
+        has_reason = any(key == FAILURE_METADATA_KEY for key, _ in (metadata or ()))
+        if code == grpc.StatusCode.CANCELLED and not has_reason:
+            # Nobody here cancelled it (those are ignored): the connection went away under us.
+            reason = FailureReason.PEER_UNAVAILABLE
+        return TransferFailure(reason, details)
+
+    def execute(self) -> TransferFailure | None:
+        try:
+            connections = self.sender._connect(self.target)
+        except ValueError as error:
+            return TransferFailure(FailureReason.PEER_UNAVAILABLE, f"bad target {self.target!r}: {error}")
+        try:
+            failure = self._execute(connections)
+        finally:
+            self.finished.set()
+        return failure
+
+    def _execute(self, connections: _Connections) -> TransferFailure | None:
+        metadata = self.sender._metadata
+        source = self.source
+        config = self.sender._config
+        if self.remaining_s() <= 0:
+            return TransferFailure(FailureReason.DEADLINE_EXCEEDED, "deadline passed before prepare")
+        request = pb.KvPrepareRequest(
+            transfer_id=self.transfer_id,
+            request_id=self.request_id,
+            layout=codec.layout_to_proto(source.layout),
+            num_blocks=source.num_blocks,
+            num_streams=config.num_streams,
+            max_chunk_bytes=config.max_chunk_bytes,
+            timeout_s=self.remaining_s(),
+            checksum_algorithms=codec.SUPPORTED_CHECKSUMS,
+        )
+        try:
+            answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
+        except grpc.RpcError as error:
+            failure = self._failure_from_rpc(error)
+            if failure.reason is FailureReason.DEADLINE_EXCEEDED:
+                self._send_abort(connections, failure)  # the receiver may have opened it after all
+            return failure
+
+        # The receiver checked us; now we check the receiver, before any byte moves.
+        try:
+            receiver_layout = codec.layout_from_proto(answer.layout)
+        except KvLayoutError as error:
+            return self._fail(connections, TransferFailure(FailureReason.PROTOCOL_ERROR, f"receiver sent an invalid layout: {error}"))
+        problem = source.layout.incompatibility(receiver_layout)
+        if problem is None and answer.expected_num_blocks != source.num_blocks:
+            problem = f"num_blocks differs: local {source.num_blocks}, receiver expects {answer.expected_num_blocks}"
+        if problem is None and answer.checksum_algorithm not in codec.SUPPORTED_CHECKSUMS:
+            problem = f"receiver chose checksum algorithm {answer.checksum_algorithm}, which this side lacks"
+        if problem is not None:
+            return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, problem))
+        self.checksum_algorithm = answer.checksum_algorithm
+        chunk_bytes = min(config.max_chunk_bytes, answer.max_chunk_bytes or config.max_chunk_bytes)
+        try:
+            chunks = plan_chunks(source.layout, source.num_blocks, chunk_bytes)
+        except ChunkPlanError as error:
+            return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, str(error)))
+        streams = assign_streams(chunks, min(config.num_streams, max(answer.max_streams, 1)))
+        self.num_streams = len(streams)
+
+        done = self._done
+        calls = []
+        for index, stream_chunks in enumerate(streams):
+            push = connections.pushes[index % len(connections.pushes)]
+            stream_metadata = (
+                *metadata,
+                (TRANSFER_ID_METADATA_KEY, self.transfer_id),
+                (REQUEST_ID_METADATA_KEY, self.request_id),
+            )
+            call = push.future(
+                self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+            )
+            call.add_done_callback(done.put)
+            calls.append(call)
+        failure = self._wait(calls, done)
+        if failure is not None:
+            return self._fail(connections, failure, calls)
+
+        try:
+            connections.commit(
+                pb.KvCommitRequest(
+                    transfer_id=self.transfer_id,
+                    request_id=self.request_id,
+                    chunks_sent=self.chunks_sent,
+                    bytes_sent=self.bytes_sent,
+                ),
+                timeout=max(self.remaining_s(), 0.001),
+                metadata=metadata,
+            )
+        except grpc.RpcError as error:
+            return self._fail(connections, self._failure_from_rpc(error))
+        return None
+
+    def _wait(self, calls: list[grpc.Future], done: queue.Queue[grpc.Future | None]) -> TransferFailure | None:
+        """Wait for every stream; the first failure ends the wait (local failures come first: an RPC
+        error is then only their consequence)."""
+        pending = len(calls)
+        while pending:
+            try:
+                call = done.get(timeout=max(self.remaining_s(), 0.0) + _WAIT_MARGIN_S)
+            except queue.Empty:
+                return self.local_failure or TransferFailure(FailureReason.DEADLINE_EXCEEDED, "streams did not finish")
+            local = self.local_failure
+            if local is not None:
+                return local
+            if call is None:
+                continue
+            pending -= 1
+            try:
+                error = call.exception()
+            except grpc.FutureCancelledError:
+                # Not by us (we stop waiting before we cancel): the channel was closed under it.
+                return TransferFailure(FailureReason.PEER_UNAVAILABLE, "stream cancelled: connection closed")
+            if error is not None:
+                return self._failure_from_rpc(error)
+        return self.local_failure
+
+    def _fail(
+        self, connections: _Connections, failure: TransferFailure, calls: list[grpc.Future] | None = None
+    ) -> TransferFailure:
+        """Tell the receiver why, then cancel the streams and release the stream threads: in this
+        order, so the receiver records our reason rather than a cut-off stream."""
+        with self._lock:
+            skip_abort = self._skip_abort
+        if not skip_abort and failure.reason is not FailureReason.PEER_UNAVAILABLE:
+            self._send_abort(connections, failure)
+        for call in calls or ():
+            call.cancel()
+        self.finished.set()
+        return failure
+
+    def _send_abort(self, connections: _Connections, failure: TransferFailure) -> None:
+        try:
+            connections.abort(
+                pb.KvAbortRequest(
+                    transfer_id=self.transfer_id,
+                    request_id=self.request_id,
+                    reason=codec.reason_to_proto(failure.reason),
+                    detail=failure.detail[:200],
+                ),
+                timeout=self.sender._config.abort_timeout_s,
+                metadata=self.sender._metadata,
+            )
+        except grpc.RpcError as error:
+            # Best effort: the receiver's deadline releases the reservation anyway.
+            logger.debug("abort of transfer %s not delivered: %s", self.transfer_id, error)
+
+    def _frames(self, chunks: tuple[ChunkSpec, ...]) -> Iterator[bytes]:
+        """The encoded chunks of one stream, with the sender-side faults applied. Runs in a gRPC
+        thread: it never raises (a source error becomes the push's local failure and ends the stream)."""
+        source = self.source
+        layout = source.layout
+        held: bytes | None = None
+        faults = self.faults
+        for spec in chunks:
+            if self.finished.is_set():
+                return
+            chunk_faults = faults.on_chunk(spec.sequence) if faults is not None else NO_CHUNK_FAULTS
+            if chunk_faults is not NO_CHUNK_FAULTS:
+                if chunk_faults.kill:
+                    assert self.sender._faults is not None
+                    self.sender._faults.kill()
+                if chunk_faults.delay_s and self.finished.wait(chunk_faults.delay_s):
+                    return
+                if chunk_faults.stall:
+                    self.finished.wait(max(self.remaining_s(), 0.0) + chunk_faults.stall_extra_s)
+                    return
+                if chunk_faults.close:
+                    self._set_local_failure(
+                        TransferFailure(FailureReason.PEER_UNAVAILABLE, "connection closed mid-stream (fault injection)"),
+                        skip_abort=True,
+                    )
+                    self.sender.drop_connections(self.target)
+                    return
+                if chunk_faults.truncate:
+                    break  # a clean, early end: the end-of-stream marker still follows
+                if chunk_faults.drop:
+                    continue
+            try:
+                data = source.read(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end)
+                if len(data) != spec.size_bytes(layout):
+                    raise ValueError(f"read returned {len(data)} bytes for a range of {spec.size_bytes(layout)}")
+            except Exception as error:  # the engine's bug fails this transfer, not the gRPC thread
+                logger.exception("source.read() of transfer %s raised", self.transfer_id)
+                self._set_local_failure(TransferFailure(FailureReason.INTERNAL, f"source read failed: {error}"))
+                # Hold the stream open until the push has told the receiver why (Abort), so the
+                # receiver records INTERNAL rather than a cut-off stream.
+                self.finished.wait(max(self.remaining_s(), 0.0))
+                return
+            crc = codec.checksum(data, self.checksum_algorithm)
+            if chunk_faults.corrupt:
+                damaged = bytearray(data)
+                damaged[len(damaged) // 2] ^= 0xFF
+                data = damaged
+            header = codec.make_header(self.transfer_id, self.request_id, spec, layout, crc, self.checksum_algorithm)
+            frame = codec.encode_chunk(header, data)
+            with self._lock:
+                self.chunks_sent += 1
+                self.bytes_sent += len(data)
+            if chunk_faults.reorder and held is None:
+                held = frame
+                continue
+            yield frame
+            if chunk_faults.duplicate:
+                yield frame
+            if held is not None:
+                yield held
+                held = None
+        if held is not None:
+            yield held
+        yield codec.encode_end_of_stream(self.transfer_id, self.request_id)
+
+
+
