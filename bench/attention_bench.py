@@ -12,22 +12,26 @@ for bf16 and fp32. Prints a table, progress on stderr, and as the last stdout li
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from worker.default_model import BENCH_SEED, bench_model_config, build_random_model
-from worker.dense import DenseGenerator
-from worker.device import DTYPE_BY_NAME
-from worker.kv_cache import PagedKvCache
-from worker.kv_layout import KvLayout
-from worker.model_runner import ModelRunner, SequenceChunk
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._common import Target, emit_result, print_table, progress  # noqa: E402
+from worker.default_model import BENCH_SEED, bench_model_config, build_random_model  # noqa: E402
+from worker.dense import DenseGenerator  # noqa: E402
+from worker.device import DTYPE_BY_NAME  # noqa: E402
+from worker.kv_cache import PagedKvCache  # noqa: E402
+from worker.kv_layout import KvLayout  # noqa: E402
+from worker.model_runner import ModelRunner, SequenceChunk  # noqa: E402
+
+BENCH = "attention"
 DECODE_TARGET = 0.8  # the engine must reach this fraction of the dense loop; the runner alone should exceed it
 PREFILL_TARGET = 0.9
 
@@ -41,10 +45,6 @@ class Settings:
     prefill_batch: int
     prefill_rounds: int
     tokens_per_block: int
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class PagedSide:
@@ -106,8 +106,9 @@ def bench_prefill(model, settings: Settings) -> tuple[float, float]:
     paged_rates, dense_rates = [], []
     paged = PagedSide(model, batch, length, settings.tokens_per_block, seed=5)
     dense = DenseGenerator(model, batch, length)
-    paged.prefill(prompts)  # warm-up (allocations, kernel selection)
-    dense.prefill(prompts)
+    warm_up = [p[:16] for p in prompts]  # first-call costs (allocator, kernel selection), cheaply
+    paged.prefill(warm_up)
+    dense.prefill(warm_up)
     for round_index in range(settings.prefill_rounds):
         start = time.perf_counter()
         paged.prefill(prompts)
@@ -124,47 +125,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few seconds: tiny rounds, short prompts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--batches", default="8,32", help="decode batch sizes (full mode)")
     parser.add_argument("--tokens-per-block", type=int, default=16)
+    parser.add_argument("--cases", default="decode,prefill", help="which measurements to run")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:
-        settings = Settings(32, 2, 2, 64, 2, 2, args.tokens_per_block)
+        settings = Settings(16, 4, 2, 32, 2, 2, args.tokens_per_block)
+        batches = [2, 4]
     else:
-        settings = Settings(256, 7, 8, 512, 8, 5, args.tokens_per_block)
+        settings = Settings(256, 7, 8, 512, 8, 2, args.tokens_per_block)
+        batches = [int(b) for b in args.batches.split(",")]
     dtypes = [name.strip() for name in args.dtypes.split(",") if name.strip()]
-    batches = [int(b) for b in args.batches.split(",")]
     config = bench_model_config()
-    figures: dict[str, float] = {}
+    figures: dict[str, float] = {"threads": args.threads, "tokens_per_block": args.tokens_per_block}
     rows = []
+    targets: dict[str, Target] = {}
     for dtype_name in dtypes:
         model = build_random_model(config, BENCH_SEED, dtype=DTYPE_BY_NAME[dtype_name])
         with torch.inference_mode():
-            for batch in batches:
-                progress(f"{dtype_name}: decode batch {batch}")
-                paged, dense = bench_decode(model, batch, settings)
-                key = f"decode_b{batch}_{dtype_name}"
-                figures[f"{key}_paged_tok_s"] = round(paged, 1)
-                figures[f"{key}_dense_tok_s"] = round(dense, 1)
-                figures[f"{key}_ratio"] = round(paged / dense, 3)
-                rows.append((key, paged, dense))
-            progress(f"{dtype_name}: prefill {settings.prefill_batch} x {settings.prefill_len}")
-            paged, dense = bench_prefill(model, settings)
-            key = f"prefill_{settings.prefill_batch}x{settings.prefill_len}_{dtype_name}"
+            cases = []
+            wanted = {name.strip() for name in args.cases.split(",")}
+            for batch in batches if "decode" in wanted else []:
+                progress(f"{dtype_name}: decode batch {batch}, prompt {settings.prompt_len}")
+                cases.append((f"decode_b{batch}_{dtype_name}", *bench_decode(model, batch, settings), DECODE_TARGET))
+            if "prefill" in wanted:
+                progress(f"{dtype_name}: prefill {settings.prefill_batch} x {settings.prefill_len}")
+                key = f"prefill_{settings.prefill_batch}x{settings.prefill_len}_{dtype_name}"
+                cases.append((key, *bench_prefill(model, settings), PREFILL_TARGET))
+        for key, paged, dense, target in cases:
             figures[f"{key}_paged_tok_s"] = round(paged, 1)
             figures[f"{key}_dense_tok_s"] = round(dense, 1)
             figures[f"{key}_ratio"] = round(paged / dense, 3)
-            rows.append((key, paged, dense))
-
-    print(f"{'case':<32} {'paged tok/s':>12} {'dense tok/s':>12} {'ratio':>7}")
-    for key, paged, dense in rows:
-        print(f"{key:<32} {paged:>12.0f} {dense:>12.0f} {paged / dense:>7.3f}")
-    targets = {}
-    for key, _, _ in rows:
-        target = DECODE_TARGET if key.startswith("decode") else PREFILL_TARGET
-        value = figures[f"{key}_ratio"]
-        targets[f"{key}_ratio"] = {"value": value, "target": target, "met": value >= target}
-    print(json.dumps({"bench": "attention", "figures": figures, "targets": targets}))
+            rows.append((key, round(paged, 1), round(dense, 1), paged / dense))
+            targets[f"{key}_ratio"] = Target(paged / dense, target, higher_is_better=True)
+    print_table(("case", "paged tok/s", "dense tok/s", "paged/dense"), rows)
+    emit_result(BENCH, figures, targets)
     return 0
 
 

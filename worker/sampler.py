@@ -30,7 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.sampler_types import SampleLogprobs, TokenLogprob
 from worker.sampling import SamplingParams
+
+__all__ = ["SampleLogprobs", "SampleResult", "SampleRow", "Sampler", "SamplerError", "TokenLogprob"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,21 +93,6 @@ class SampleRow:
             )
         if not self.params.greedy and self.params.seed is None:
             raise ValueError("a non-greedy row needs a seed (the engine assigns one at admission)")
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class SampleLogprobs:
-    """The sampled token's logprob, its 1-based rank, and the top-n (most likely first)."""
-
-    sampled: TokenLogprob
-    rank: int
-    top: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)

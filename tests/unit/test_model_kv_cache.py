@@ -1,0 +1,133 @@
+"""PagedKvCache: layout, export/import byte round trips (fp32 and bf16), validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.kv_cache import KvCacheError, PagedKvCache
+from worker.kv_layout import KvLayout
+
+
+def make_cache(dtype: str, num_blocks: int = 10, seed: int = 0) -> PagedKvCache:
+    layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, tokens_per_block=5, dtype=dtype, model_fingerprint="f")
+    cache = PagedKvCache(layout, num_blocks)
+    generator = torch.Generator().manual_seed(seed)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=generator).to(cache.dtype))
+    return cache
+
+
+def test_tensor_shape_follows_the_layout():
+    cache = make_cache("float32")
+    assert cache.tensor.shape == (3, 2, 10, 5, 2, 4)
+    assert cache.num_blocks == 10
+    assert cache.layout.block_bytes_per_layer == 2 * 5 * 2 * 4 * 4
+    k, v = cache.layer_slots(1)
+    assert k.shape == (50, 2, 4)
+    assert k.data_ptr() == cache.tensor[1, 0].data_ptr()
+    assert v.data_ptr() == cache.tensor[1, 1].data_ptr()
+
+
+def test_a_fresh_cache_is_zeroed():
+    layout = KvLayout(1, 1, 2, 2, "float32", "f")
+    assert PagedKvCache(layout, 3).tensor.abs().sum() == 0
+
+
+def test_export_is_exactly_the_layout_bytes():
+    cache = make_cache("float32")
+    blocks = [7, 2, 5]
+    exported = cache.export_blocks(blocks, 1, 3)
+    assert exported.shape == (2, 2, 3, 5, 2, 4)
+    assert exported.is_contiguous()
+    assert torch.equal(exported, cache.tensor[1:3, :, blocks])
+    data = cache.export_bytes(blocks, 1, 3)
+    assert len(data) == cache.layout.run_bytes(2, 3)
+    assert data == cache.tensor[1:3, :, blocks].contiguous().numpy().tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_round_trip_between_caches_is_bit_exact(dtype):
+    source = make_cache(dtype, seed=1)
+    target = make_cache(dtype, seed=2)
+    before = target.tensor.clone()
+    src_blocks, dst_blocks = [1, 8, 3], [9, 0, 4]
+    data = source.export_bytes(src_blocks, 0, 2)
+    target.import_blocks(dst_blocks, 0, 2, data)
+    assert torch.equal(target.tensor[0:2, :, dst_blocks].view(torch.uint8), source.tensor[0:2, :, src_blocks].view(torch.uint8))
+    # Nothing else changed: other layers and other blocks keep their bytes.
+    assert torch.equal(target.tensor[2], before[2])
+    untouched = [b for b in range(10) if b not in dst_blocks]
+    assert torch.equal(target.tensor[:, :, untouched], before[:, :, untouched])
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bytearray", "memoryview", "uint8_tensor", "typed_tensor"])
+def test_import_accepts_every_buffer_kind(kind):
+    source = make_cache("bfloat16", seed=3)
+    target = make_cache("bfloat16", seed=4)
+    raw = source.export_uint8([2, 6], 1, 2)
+    assert raw.dtype == torch.uint8 and raw.dim() == 1
+    data = {
+        "bytes": raw.numpy().tobytes(),
+        "bytearray": bytearray(raw.numpy().tobytes()),
+        "memoryview": memoryview(raw.numpy().tobytes()),
+        "uint8_tensor": raw,
+        "typed_tensor": source.export_blocks([2, 6], 1, 2),
+    }[kind]
+    target.import_blocks([5, 1], 1, 2, data)
+    assert torch.equal(target.tensor[1:2, :, [5, 1]].view(torch.uint8), source.tensor[1:2, :, [2, 6]].view(torch.uint8))
+
+
+def test_import_validates_byte_length():
+    cache = make_cache("float32")
+    data = cache.export_bytes([1, 2], 0, 3)
+    with pytest.raises(KvCacheError, match="bytes"):
+        cache.import_blocks([1], 0, 3, data)
+    with pytest.raises(KvCacheError, match="bytes"):
+        cache.import_blocks([1, 2], 0, 3, data[:-1])
+    with pytest.raises(KvCacheError, match="bytes"):
+        cache.import_blocks([1, 2], 0, 2, data)
+    with pytest.raises(KvCacheError, match="dtype"):
+        cache.import_blocks([1, 2], 0, 3, torch.zeros(len(data) // 8, dtype=torch.float64))
+
+
+def test_a_bf16_run_is_not_accepted_by_an_fp32_cache_of_the_same_shape():
+    bf16 = make_cache("bfloat16")
+    fp32 = make_cache("float32")
+    with pytest.raises(KvCacheError, match="bytes"):
+        fp32.import_blocks([0, 1], 0, 3, bf16.export_bytes([0, 1], 0, 3))
+
+
+@pytest.mark.parametrize(
+    "blocks, layers, message",
+    [
+        ([], (0, 1), "empty"),
+        ([10], (0, 1), "outside"),
+        ([-1], (0, 1), "outside"),
+        ([1, 1], (0, 1), "distinct"),
+        ([1], (1, 1), "layer range"),
+        ([1], (0, 4), "layer range"),
+        ([1], (-1, 1), "layer range"),
+    ],
+)
+def test_import_validates_ids_and_layers(blocks, layers, message):
+    cache = make_cache("float32")
+    data = b"\0" * cache.layout.run_bytes(max(layers[1] - layers[0], 1), max(len(blocks), 1))
+    with pytest.raises(KvCacheError, match=message):
+        cache.import_blocks(blocks, layers[0], layers[1], data)
+
+
+def test_export_validates_ids_and_layers():
+    cache = make_cache("float32")
+    with pytest.raises(KvCacheError, match="outside"):
+        cache.export_blocks([11], 0, 1)
+    with pytest.raises(KvCacheError, match="layer range"):
+        cache.export_blocks([1], 2, 1)
+    # Exporting a block twice is well defined (the same bytes twice).
+    twice = cache.export_blocks([4, 4], 0, 1)
+    assert torch.equal(twice[:, :, 0], twice[:, :, 1])
+
+
+def test_num_blocks_must_be_positive():
+    layout = KvLayout(1, 1, 2, 2, "float32", "f")
+    with pytest.raises(KvCacheError, match="num_blocks"):
+        PagedKvCache(layout, 0)

@@ -1,0 +1,722 @@
+"""One serving instance's engine: the step loop over the scheduler, the model and the sampler.
+
+Every step: take what other threads reported (KV commits, hand-over results), expire reservations
+and leases, run the two-level scheduler, evict paused requests (free their blocks; they are
+recomputed later), reserve blocks for generation-only requests, allocate KV for this step, run one
+forward pass over context chunks and generation tokens together, sample, advance the requests'
+states, emit token deltas, and free the blocks of requests that ended.
+
+Roles (TensorRT-LLM's disaggregated flow):
+- CONTEXT_ONLY on a PREFILL (or MIXED) instance: prefill, sample the first token, then wait in
+  DISAGG_CONTEXT_TRANS_IN_PROGRESS holding its blocks until the KV hand-over is acknowledged
+  (DISAGG_CONTEXT_COMPLETE) or failed / its lease expired (DISAGG_TRANS_ERROR); either way the
+  blocks are freed.
+- GENERATION_ONLY on a GENERATION (or MIXED) instance: enters DISAGG_GENERATION_INIT with the
+  prompt and the first token; the capacity scheduler reserves its blocks; the engine issues a
+  `Reservation` (an unguessable transfer id); KV is written into exactly those blocks
+  (DISAGG_GENERATION_TRANS_IN_PROGRESS); on commit it becomes DISAGG_GENERATION_TRANS_COMPLETE and
+  generates. A failed or expired hand-over ends in DISAGG_TRANS_ERROR and frees the blocks.
+
+Threading: the engine is driven by one thread. Transfer threads touch it only through the sink,
+the sources and `report_handover`: they write KV into reserved blocks under a per-reservation lock
+and post commits and results to an inbox that the engine thread drains at the next step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.block_manager import BlockManager, BlockManagerConfig
+from scheduler.config import ChunkingConfig, SchedulerConfig
+from scheduler.request import LlmRequest
+from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
+from scheduler.state import LlmRequestState
+from worker.attention import SequenceChunk
+from worker.detokenizer import IncrementalDetokenizer
+from worker.device import dtype_name
+from worker.engine_types import (
+    ACCEPTED_TYPES,
+    EngineConfig,
+    EngineInputError,
+    EngineLoad,
+    ErrorCode,
+    RequestError,
+    RequestOutput,
+    RequestType,
+    Reservation,
+    StateEvent,
+    SubmitRequest,
+)
+from worker.kv_cache import PagedKvCache
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.failures import FailureReason, TransferFailure, TransferRejected
+from worker.kv_transfer.ids import new_transfer_id
+from worker.model import DecoderLM
+from worker.model_config import GenerationConfig
+from worker.model_runner import ModelRunner
+from worker.sampler import Sampler, SampleRow
+from worker.sampling import SamplingParams
+from worker.stopping import FinishReason, StopChecker
+
+logger = logging.getLogger(__name__)
+
+S = LlmRequestState
+_MASK63 = (1 << 63) - 1
+
+# (request_id, state name) -> seconds to hold the request in that state (fault injection).
+HoldHook = Callable[[str, str], float]
+
+
+class EngineError(RuntimeError):
+    """An engine API misuse (unknown request, wrong state for the call)."""
+
+
+@dataclass
+class _Tracked:
+    """The engine's view of one request, beside the scheduler's LlmRequest."""
+
+    submit: SubmitRequest
+    llm: LlmRequest
+    params: SamplingParams  # with a seed
+    outputs: list[int]  # every output token of the request, including those produced elsewhere
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    num_cached_tokens: int = 0
+    reservation: _Reservation | None = None
+    lease_deadline_s: float | None = None
+    pushes_in_flight: int = 0
+    held_until_s: float = 0.0
+    finished: bool = False
+    timeline: list[StateEvent] = field(default_factory=list)
+
+
+class _Reservation:
+    """Generation side: the blocks reserved for one incoming transfer. Guarded by `lock`, which
+    a transfer thread holds while it writes, so the engine never frees blocks mid-write."""
+
+    def __init__(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, expires_at_s: float):
+        self.transfer_id = transfer_id
+        self.request_id = request_id
+        self.block_ids = block_ids
+        self.num_tokens = num_tokens
+        self.expires_at_s = expires_at_s
+        self.lock = threading.Lock()
+        self.live = True  # false once expired, failed, cancelled or finished
+        self.committed = False
+
+
+def _mix_seed(engine_seed: int, request_id: str) -> int:
+    """A request's seed when it came without one: stable across processes (no hash())."""
+    return (zlib.crc32(request_id.encode()) << 32 | zlib.crc32(f"{engine_seed}:{request_id}".encode())) & _MASK63
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DecoderLM,
+        tokenizer,
+        config: EngineConfig | None = None,
+        *,
+        generation_config: GenerationConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        hold_hook: HoldHook | None = None,
+        instance_id: str = "engine",
+        on_inbox: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.instance_id = instance_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self._clock = clock
+        self._hold_hook = hold_hook
+        cfg = self.config
+        model_config = model.config
+        self.max_seq_len = min(cfg.max_seq_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
+        self.layout = KvLayout(
+            num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim,
+            tokens_per_block=cfg.tokens_per_block,
+            dtype=dtype_name(model.dtype),
+            model_fingerprint=model.fingerprint(),
+        )
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.layout.run_bytes(model_config.num_layers, 1))
+        self.kv_cache = PagedKvCache(self.layout, num_blocks, model.device)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.blocks = BlockManager(
+            BlockManagerConfig(
+                tokens_per_block=cfg.tokens_per_block,
+                num_blocks=num_blocks,
+                max_attention_window=self.max_seq_len,
+                enable_block_reuse=cfg.enable_prefix_reuse,
+                record_events=cfg.record_prefix_events and cfg.enable_prefix_reuse,
+            )
+        )
+        self.scheduler = TwoLevelScheduler(
+            SchedulerConfig(
+                max_num_requests=cfg.max_num_requests,
+                max_batch_size=cfg.max_batch_size,
+                max_num_tokens=cfg.max_num_tokens,
+                capacity_policy=cfg.capacity_policy,
+                chunking=None
+                if cfg.chunking_policy is None
+                else ChunkingConfig(cfg.chunking_policy, cfg.chunk_unit_tokens),
+            ),
+            self.blocks,
+        )
+        if cfg.chunking_policy is None and cfg.max_num_tokens < self.max_seq_len:
+            # Unchunked, a paused request returns with prompt + generated tokens as one context.
+            raise EngineInputError(
+                "max_num_tokens",
+                f"without chunking it must hold a whole sequence (max_seq_len {self.max_seq_len}), got {cfg.max_num_tokens}",
+            )
+        generation_config = generation_config or GenerationConfig()
+        eos = tuple(dict.fromkeys([*getattr(tokenizer, "eos_token_ids", ()), *generation_config.eos_token_ids]))
+        self.eos_token_ids = eos
+        self.vocab_size = int(tokenizer.vocab_size)
+        if self.vocab_size > model_config.vocab_size:
+            raise EngineInputError("tokenizer", f"{self.vocab_size} tokens, more than the model's {model_config.vocab_size}")
+        self.sampler = Sampler(eos_token_ids=eos)
+        self._requests: dict[str, _Tracked] = {}
+        self._active: list[LlmRequest] = []
+        self._reservations: dict[str, _Reservation] = {}
+        self._reservations_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._on_inbox = on_inbox  # wakes an idle step loop when another thread posts
+        self._new_reservations: list[Reservation] = []
+        self._pending_outputs: list[RequestOutput] = []
+        self._events: list[StateEvent] = []
+        self.num_steps = 0
+        self.num_finished = 0
+        self.num_pauses = 0
+        self.num_forward_tokens = 0
+
+    # --- submission -----------------------------------------------------------------------------
+    def add_request(self, submit: SubmitRequest) -> None:
+        """Validate and queue a request. Raises EngineInputError (naming the field) on bad input."""
+        cfg = self.config
+        if submit.request_id in self._requests:
+            raise EngineInputError("request_id", f"request {submit.request_id!r} is already in this engine")
+        if submit.request_type not in ACCEPTED_TYPES[cfg.role]:
+            raise EngineInputError("request_type", f"a {cfg.role.name} instance does not take {submit.request_type.name}")
+        if len(self._requests) >= cfg.max_waiting_requests:
+            raise EngineInputError("queue", f"{len(self._requests)} requests already in the engine")
+        for name, ids in (("prompt_token_ids", submit.prompt_token_ids), ("output_token_ids", submit.output_token_ids)):
+            for token in ids:
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                    raise EngineInputError(name, f"token id {token!r} is outside the vocabulary [0, {self.vocab_size})")
+        params = submit.sampling_params
+        params.validate_against(self.vocab_size)
+        context = submit.context_token_ids
+        if len(context) >= self.max_seq_len:
+            raise EngineInputError(
+                "prompt_token_ids", f"{len(context)} context tokens leave no room in max_seq_len {self.max_seq_len}"
+            )
+        if params.seed is None:
+            params = params.with_seed(_mix_seed(cfg.seed, submit.request_id))
+        produced = len(submit.output_token_ids)
+        max_new = min(params.max_tokens - produced, self.max_seq_len - len(context))
+        if submit.request_type is RequestType.GENERATION_ONLY:
+            max_new += 1  # the first token arrives with the KV and counts as generated here
+        llm = LlmRequest(
+            submit.request_id,
+            context,
+            max_new,
+            priority=submit.priority,
+            state=S.DISAGG_GENERATION_INIT if submit.request_type is RequestType.GENERATION_ONLY else S.CONTEXT_INIT,
+        )
+        detokenizer = IncrementalDetokenizer(self.tokenizer, submit.prompt_token_ids, params.skip_special_tokens)
+        stop = StopChecker(
+            params, self.eos_token_ids, prompt_len=len(submit.prompt_token_ids), max_model_len=self.max_seq_len
+        )
+        for token in submit.output_token_ids:  # produced and streamed elsewhere: replay, do not emit
+            stop.append(token, detokenizer.append(token))
+        tracked = _Tracked(submit, llm, params, list(submit.output_token_ids), detokenizer, stop)
+        self._requests[submit.request_id] = tracked
+        self._active.append(llm)
+        self._record(tracked, llm.state, "submitted")
+        self._maybe_hold(tracked)
+
+    # --- the step ---------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._requests) or bool(self._pending_outputs) or not self._inbox.empty()
+
+    def step(self) -> list[RequestOutput]:
+        now = self._clock()
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        self._drain_inbox(outputs)
+        self._expire(now, outputs)
+        schedulable = [r for r in self._active if self._requests[r.request_id].held_until_s <= now]
+        schedule = self.scheduler.schedule(schedulable)
+        self._evict(schedule.paused)
+        self._reserve(schedule.disagg_generation_init, now)
+        if schedule.context or schedule.generation:
+            self._run_forward(schedule, outputs)
+        if any(self._requests[r.request_id].finished for r in self._active):
+            self._active = [r for r in self._active if not self._requests[r.request_id].finished]
+        for request_id in [rid for rid, t in self._requests.items() if t.finished]:
+            del self._requests[request_id]
+        self.num_steps += 1
+        return outputs
+
+    def _run_forward(self, schedule: ScheduleOutput, outputs: list[RequestOutput]) -> None:
+        chunks: list[SequenceChunk] = []
+        for llm in schedule.context:
+            tracked = self._requests[llm.request_id]
+            if not self.blocks.has_sequence(llm.request_id):
+                reused = self.blocks.add_sequence(llm)
+                tracked.num_cached_tokens = max(tracked.num_cached_tokens, reused)
+            position = llm.context_current_position
+            end = position + llm.context_chunk_size
+            chunks.append(
+                SequenceChunk(
+                    token_ids=llm.tokens[0][position:end],
+                    num_cached_tokens=position,
+                    block_ids=self.blocks.block_ids(llm.request_id),
+                    want_logits=end == llm.prompt_len,
+                )
+            )
+        for llm in schedule.generation:
+            if llm.state is S.DISAGG_GENERATION_TRANS_COMPLETE:
+                self._set_state(self._requests[llm.request_id], S.GENERATION_IN_PROGRESS)
+            self.blocks.add_token(llm.request_id)
+            tokens = llm.tokens[0]
+            chunks.append(
+                SequenceChunk(
+                    token_ids=tokens[-1:],
+                    num_cached_tokens=len(tokens) - 1,
+                    block_ids=self.blocks.block_ids(llm.request_id),
+                    want_logits=True,
+                )
+            )
+        self.num_forward_tokens += sum(len(c.token_ids) for c in chunks)
+        logits = self.runner.forward(chunks)
+        sampled = [llm for llm, chunk in zip([*schedule.context, *schedule.generation], chunks, strict=True) if chunk.want_logits]
+        if logits.shape[1] > self.vocab_size:
+            logits[:, self.vocab_size :] = float("-inf")  # padding rows of the embedding are never tokens
+        rows = []
+        for llm in sampled:
+            tracked = self._requests[llm.request_id]
+            rows.append(
+                SampleRow(tracked.params, tracked.submit.prompt_token_ids, tracked.outputs, len(tracked.outputs))
+            )
+        result = self.sampler.sample(logits, rows)
+
+        for llm in schedule.context:
+            llm.move_to_next_context_chunk()
+        for index, llm in enumerate(sampled):
+            tracked = self._requests[llm.request_id]
+            token = result.token_ids[index]
+            logprobs = result.logprobs[index]
+            finishing_context = llm.state is S.CONTEXT_INIT or llm.state is S.DISAGG_CONTEXT_INIT_AND_TRANS
+            if finishing_context and self.config.enable_prefix_reuse:
+                self.blocks.store_context_blocks(llm)
+            llm.add_new_token(token)
+            tracked.outputs.append(token)
+            step = tracked.stop.append(token, tracked.detokenizer.append(token))
+            text = step.text_delta
+            if step.finished:
+                text += tracked.stop.flush(tracked.detokenizer.finish())
+                self._finish(tracked, S.GENERATION_COMPLETE, outputs, [token], text, (logprobs,), step.finish_reason, step.stop_reason)
+                continue
+            if finishing_context and tracked.submit.request_type is RequestType.CONTEXT_ONLY:
+                self._set_state(tracked, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
+                tracked.lease_deadline_s = self._clock() + self.config.sender_lease_s
+                outputs.append(self._output(tracked, [token], text, (logprobs,), context_done=True))
+                continue
+            if finishing_context:
+                self._set_state(tracked, S.GENERATION_IN_PROGRESS)
+            outputs.append(self._output(tracked, [token], text, (logprobs,)))
+
+    # --- eviction, reservation, expiry --------------------------------------------------------------
+    def _evict(self, paused: Sequence[LlmRequest]) -> None:
+        for llm in paused:
+            if self.blocks.has_sequence(llm.request_id):
+                self.blocks.remove_sequence(llm.request_id)
+            llm.pause(self.scheduler.config.max_input_len_for_pause)
+            self.num_pauses += 1
+            self._record(self._requests[llm.request_id], llm.state, "paused (recomputed later)")
+
+    def _reserve(self, requests: Sequence[LlmRequest], now: float) -> None:
+        for llm in requests:
+            tracked = self._requests[llm.request_id]
+            self.blocks.add_sequence(llm, reuse=False)
+            reservation = _Reservation(
+                transfer_id=new_transfer_id(),
+                request_id=llm.request_id,
+                block_ids=list(self.blocks.block_ids(llm.request_id)),
+                num_tokens=llm.prompt_len,
+                expires_at_s=now + self.config.reservation_timeout_s,
+            )
+            tracked.reservation = reservation
+            with self._reservations_lock:
+                self._reservations[reservation.transfer_id] = reservation
+            self._set_state(tracked, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {len(reservation.block_ids)} blocks")
+            self._new_reservations.append(self.reservation(llm.request_id))
+
+    def drain_new_reservations(self) -> list[Reservation]:
+        """Reservations made since the last call (the router hands their transfer ids to senders)."""
+        made, self._new_reservations = self._new_reservations, []
+        return [r for r in made if r is not None]
+
+    def _expire(self, now: float, outputs: list[RequestOutput]) -> None:
+        for tracked in list(self._requests.values()):
+            if tracked.finished:
+                continue
+            reservation = tracked.reservation
+            if reservation is not None and now >= reservation.expires_at_s:
+                with reservation.lock:
+                    expired = reservation.live and not reservation.committed
+                    if expired:
+                        reservation.live = False
+                if expired:
+                    self._fail_transfer(
+                        tracked, outputs, ErrorCode.RESERVATION_EXPIRED, FailureReason.RESERVATION_EXPIRED,
+                        f"no KV committed within {self.config.reservation_timeout_s}s",
+                    )
+            elif (
+                tracked.lease_deadline_s is not None
+                and now >= tracked.lease_deadline_s
+                and tracked.pushes_in_flight == 0
+                and tracked.llm.state is S.DISAGG_CONTEXT_TRANS_IN_PROGRESS
+            ):
+                self._fail_transfer(
+                    tracked, outputs, ErrorCode.LEASE_EXPIRED, None,
+                    f"KV not taken within the sender lease of {self.config.sender_lease_s}s",
+                )
+
+    def _fail_transfer(
+        self,
+        tracked: _Tracked,
+        outputs: list[RequestOutput],
+        code: ErrorCode,
+        reason: FailureReason | None,
+        detail: str,
+    ) -> None:
+        error = RequestError(code, detail, None if reason is None else reason.value)
+        self._finish(tracked, S.DISAGG_TRANS_ERROR, outputs, [], "", (), FinishReason.ERROR, None, error=error)
+
+    # --- hand-over: generation side ---------------------------------------------------------------
+    def reservation(self, request_id: str) -> Reservation | None:
+        """The reservation of a GENERATION_ONLY request, once its blocks are reserved."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.reservation is None or not tracked.reservation.live:
+            return None
+        r = tracked.reservation
+        return Reservation(r.request_id, r.transfer_id, len(r.block_ids), r.num_tokens, self.layout, r.expires_at_s)
+
+    def open_transfer(self, transfer_id: str, request_id: str, peer_layout: KvLayout) -> _TransferTarget:
+        """TransferSink.open: the reserved blocks behind `transfer_id` (any thread)."""
+        with self._reservations_lock:
+            reservation = self._reservations.get(transfer_id)
+        if reservation is None:
+            raise TransferRejected(FailureReason.UNKNOWN_TRANSFER, "no reservation has this transfer id")
+        if reservation.request_id != request_id:
+            raise TransferRejected(FailureReason.UNKNOWN_TRANSFER, "the transfer id belongs to another request")
+        problem = self.layout.incompatibility(peer_layout)
+        if problem is not None:
+            raise TransferRejected(FailureReason.INCOMPATIBLE, problem)
+        with reservation.lock:
+            if not reservation.live:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            if reservation.committed:
+                raise TransferRejected(FailureReason.PROTOCOL_ERROR, "the transfer was already committed")
+        return _TransferTarget(self, reservation)
+
+    def import_kv(self, transfer_id: str, request_id: str, peer_layout: KvLayout, data: bytes | memoryview) -> None:
+        """The in-process hand-over: write a whole request's KV (every layer and block) and commit."""
+        target = self.open_transfer(transfer_id, request_id, peer_layout)
+        target.write(0, self.layout.num_layers, 0, target.num_blocks, memoryview(data))
+        target.commit()
+        self._drain_inbox(self._pending_outputs)
+
+    def _on_commit(self, transfer_id: str, outputs: list[RequestOutput]) -> None:
+        with self._reservations_lock:
+            reservation = self._reservations.pop(transfer_id, None)
+        if reservation is None:
+            return
+        tracked = self._requests.get(reservation.request_id)
+        if tracked is None or tracked.finished or tracked.reservation is not reservation:
+            return
+        llm = tracked.llm
+        tracked.reservation = None
+        llm.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
+        llm.context_current_position = llm.prompt_len
+        llm.add_new_token(tracked.outputs[-1])  # the first token, from the prefill instance
+        self._record(tracked, llm.state, "KV received")
+        if self.config.enable_prefix_reuse:
+            self.blocks.store_context_blocks(llm)  # verified KV: reusable by later prompts
+        self._maybe_hold(tracked)
+
+    def _on_transfer_failed(self, transfer_id: str, failure: TransferFailure, outputs: list[RequestOutput]) -> None:
+        with self._reservations_lock:
+            reservation = self._reservations.get(transfer_id)
+        if reservation is None:
+            return
+        tracked = self._requests.get(reservation.request_id)
+        if tracked is None or tracked.finished:
+            return
+        with reservation.lock:
+            reservation.live = False
+        self._fail_transfer(tracked, outputs, ErrorCode.TRANSFER_FAILED, failure.reason, failure.detail)
+
+    # --- hand-over: prefill side -------------------------------------------------------------------
+    def export_kv(self, request_id: str) -> tuple[KvLayout, bytes]:
+        """The in-process hand-over: every layer and block of a request waiting to hand over."""
+        source = self.transfer_source(request_id)
+        data = source.read(0, self.layout.num_layers, 0, source.num_blocks)
+        return self.layout, bytes(data)
+
+    def transfer_source(self, request_id: str) -> _TransferSource:
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            raise EngineError(f"request {request_id!r} is not waiting to hand over its KV")
+        return _TransferSource(self, list(self.blocks.block_ids(request_id)))
+
+    def begin_push(self, request_id: str) -> _TransferSource:
+        """Pin the request's blocks for a push from another thread: its lease cannot free them until
+        the push's result comes back through `report_push`."""
+        source = self.transfer_source(request_id)
+        self._requests[request_id].pushes_in_flight += 1
+        return source
+
+    def report_push(self, request_id: str, failure: TransferFailure | None) -> None:
+        """The result of a push (any thread). Acknowledged: the request is done here and its blocks
+        are freed. Failed: the request keeps its blocks (still DISAGG_CONTEXT_TRANS_IN_PROGRESS,
+        under its lease) so that the router may retry the transfer, or `release` it."""
+        self._post(("push", request_id, failure))
+
+    def finish_handover(self, request_id: str, failure: TransferFailure | None) -> None:
+        """Engine thread, in-process hand-over: acknowledged (None), or failed for good (frees)."""
+        if failure is None:
+            self._on_push(request_id, None, self._pending_outputs, pinned=False)
+        else:
+            self.release(request_id, failure)
+
+    def release(self, request_id: str, failure: TransferFailure) -> bool:
+        """Engine thread: give up a CONTEXT_ONLY request's hand-over (DISAGG_TRANS_ERROR, blocks freed)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.finished or tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            return False
+        self._fail_transfer(tracked, self._pending_outputs, ErrorCode.TRANSFER_FAILED, failure.reason, failure.detail)
+        return True
+
+    def _on_push(self, request_id: str, failure: TransferFailure | None, outputs: list[RequestOutput], pinned: bool) -> None:
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.finished:
+            return
+        if pinned:
+            tracked.pushes_in_flight = max(0, tracked.pushes_in_flight - 1)
+        if tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            return
+        if failure is None:
+            self._finish(tracked, S.DISAGG_CONTEXT_COMPLETE, outputs, [], "", (), None, None, handed_over=True)
+        else:
+            self._record(tracked, tracked.llm.state, f"push failed: {failure}")
+
+    # --- abort -------------------------------------------------------------------------------------
+    def abort(self, request_id: str, detail: str = "aborted") -> bool:
+        """End a request in any state and free its blocks; False if the engine does not have it."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.finished:
+            return False
+        reservation = tracked.reservation
+        if reservation is not None:
+            with reservation.lock:  # waits for a write in progress
+                reservation.live = False
+        error = RequestError(ErrorCode.ABORTED, detail)
+        self._finish(tracked, S.GENERATION_COMPLETE, self._pending_outputs, [], "", (), FinishReason.ABORT, None, error=error)
+        return True
+
+    # --- common end of a request -------------------------------------------------------------------
+    def _finish(
+        self,
+        tracked: _Tracked,
+        state: LlmRequestState,
+        outputs: list[RequestOutput],
+        tokens: list[int],
+        text: str,
+        logprobs: tuple,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        *,
+        error: RequestError | None = None,
+        handed_over: bool = False,
+    ) -> None:
+        llm = tracked.llm
+        if tracked.reservation is not None:
+            with self._reservations_lock:
+                self._reservations.pop(tracked.reservation.transfer_id, None)
+            tracked.reservation = None
+        if self.blocks.has_sequence(llm.request_id):
+            self.blocks.remove_sequence(llm.request_id)
+        self._set_state(tracked, state, error.detail if error else "")
+        tracked.finished = True
+        self.num_finished += 1
+        outputs.append(
+            self._output(
+                tracked, tokens, text, logprobs, finished=True, finish_reason=finish_reason,
+                stop_reason=stop_reason, error=error, handed_over=handed_over,
+            )
+        )
+
+    def _output(self, tracked: _Tracked, tokens: list[int], text: str, logprobs: tuple, **fields) -> RequestOutput:
+        return RequestOutput(
+            request_id=tracked.submit.request_id,
+            new_token_ids=tuple(tokens),
+            text_delta=text,
+            logprobs=logprobs if tracked.params.logprobs is not None else (),
+            num_prompt_tokens=len(tracked.submit.prompt_token_ids),
+            num_output_tokens=len(tracked.outputs),
+            num_cached_tokens=tracked.num_cached_tokens,
+            **fields,
+        )
+
+    # --- states, events, holds ---------------------------------------------------------------------
+    def _set_state(self, tracked: _Tracked, state: LlmRequestState, detail: str = "") -> None:
+        tracked.llm.set_state(state)
+        self._record(tracked, state, detail)
+        self._maybe_hold(tracked)
+
+    def _record(self, tracked: _Tracked, state: LlmRequestState, detail: str) -> None:
+        event = StateEvent(tracked.submit.request_id, state.name, self._clock(), detail)
+        tracked.timeline.append(event)
+        self._events.append(event)
+
+    def _maybe_hold(self, tracked: _Tracked) -> None:
+        if self._hold_hook is None:
+            return
+        seconds = self._hold_hook(tracked.submit.request_id, tracked.llm.state.name)
+        if seconds > 0:
+            tracked.held_until_s = self._clock() + seconds
+
+    def drain_events(self) -> list[StateEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _post(self, item: tuple) -> None:
+        """Any thread: queue an item for the engine thread and wake it."""
+        self._inbox.put(item)
+        if self._on_inbox is not None:
+            self._on_inbox()
+
+    def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = item[0]
+            if kind == "commit":
+                self._on_commit(item[1], outputs)
+            elif kind == "transfer_failed":
+                self._on_transfer_failed(item[1], item[2], outputs)
+            elif kind == "push":
+                self._on_push(item[1], item[2], outputs, pinned=True)
+
+    def kv_digest(self, request_id: str, num_tokens: int) -> str:
+        """sha256 over the KV of token positions [0, num_tokens) of a request, every layer."""
+        if not self.blocks.has_sequence(request_id):
+            raise EngineError(f"request {request_id!r} holds no KV")
+        block_ids = self.blocks.block_ids(request_id)
+        tpb = self.config.tokens_per_block
+        if not 0 < num_tokens <= len(block_ids) * tpb:
+            raise EngineError(f"{num_tokens} tokens do not fit the request's {len(block_ids)} blocks")
+        digest = hashlib.sha256()
+        with torch.inference_mode():
+            run = self.kv_cache.export_blocks(block_ids[: -(-num_tokens // tpb)], 0, self.layout.num_layers)
+            # [layers, 2, blocks, tokens/block, heads, dim] -> [layers, 2, positions, heads, dim]
+            flat = run.reshape(run.shape[0], 2, -1, *run.shape[4:])[:, :, :num_tokens]
+            digest.update(flat.contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    # --- introspection -----------------------------------------------------------------------------
+    def state_of(self, request_id: str) -> LlmRequestState | None:
+        tracked = self._requests.get(request_id)
+        return None if tracked is None else tracked.llm.state
+
+    def timeline(self, request_id: str) -> list[StateEvent]:
+        tracked = self._requests.get(request_id)
+        return [] if tracked is None else list(tracked.timeline)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def load(self) -> EngineLoad:
+        queued = running = queued_tokens = in_flight = 0
+        for llm in self._active:
+            if llm.state is S.CONTEXT_INIT and not self.blocks.has_sequence(llm.request_id):
+                queued += 1
+                queued_tokens += llm.prompt_len
+            else:
+                running += 1
+                in_flight += llm.num_tokens(0)
+        return EngineLoad(
+            role=self.config.role,
+            total_blocks=self.blocks.num_blocks,
+            free_blocks=self.blocks.num_free_blocks,
+            tokens_per_block=self.config.tokens_per_block,
+            queued_requests=queued,
+            running_requests=running,
+            queued_prompt_tokens=queued_tokens,
+            tokens_in_flight=in_flight,
+            num_paused=self.num_pauses,
+            prefix_events=tuple(self.blocks.drain_events()),
+            num_finished=self.num_finished,
+        )
+
+
+class _TransferTarget:
+    """TransferTarget over a reservation: writes go straight into the reserved cache blocks."""
+
+    def __init__(self, engine: Engine, reservation: _Reservation) -> None:
+        self._engine = engine
+        self._reservation = reservation
+        self.num_blocks = len(reservation.block_ids)
+        self.layout = engine.layout
+
+    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
+        reservation = self._reservation
+        if not (0 <= block_start < block_end <= self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers):
+            raise TransferRejected(FailureReason.PROTOCOL_ERROR, "range outside the reservation")
+        with reservation.lock:
+            if not reservation.live or reservation.committed:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            self._engine.kv_cache.import_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, data)
+
+    def commit(self) -> None:
+        reservation = self._reservation
+        with reservation.lock:
+            if not reservation.live:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            reservation.committed = True
+        self._engine._post(("commit", reservation.transfer_id))
+
+    def fail(self, failure: TransferFailure) -> None:
+        self._engine._post(("transfer_failed", self._reservation.transfer_id, failure))
+
+
+class _TransferSource:
+    """TransferSource over a request's blocks on the prefill side."""
+
+    def __init__(self, engine: Engine, block_ids: list[int]) -> None:
+        self._cache = engine.kv_cache
+        self._block_ids = block_ids
+        self.layout = engine.layout
+        self.num_blocks = len(block_ids)
+
+    def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> memoryview:
+        with torch.inference_mode():
+            flat = self._cache.export_uint8(self._block_ids[block_start:block_end], layer_start, layer_end)
+        return memoryview(flat.numpy())
