@@ -22,6 +22,8 @@ from typing import Any
 
 import msgpack
 
+from worker.engine_types import InstanceRole
+
 SCHEMA_VERSION = 1
 # A snapshot is a few hundred bytes plus 9 bytes per prefix event hash; 4 MiB leaves room for a
 # burst of ~400k hash events while bounding what one peer can make the router allocate.
@@ -57,14 +59,6 @@ class SnapshotTooLarge(SnapshotError):
         self.size_bytes = size_bytes
         self.limit_bytes = limit_bytes
         super().__init__(f"snapshot is {size_bytes} bytes, limit is {limit_bytes} bytes")
-
-
-class InstanceRole(Enum):
-    """What requests an instance runs: context-only, generation-only, or whole requests (and both halves)."""
-
-    PREFILL = "prefill"
-    GENERATION = "generation"
-    MIXED = "mixed"
 
 
 class PrefixEventKind(Enum):

@@ -61,9 +61,12 @@ class IncrementalDetokenizer:
         strategy: DetokenizeStrategy = DetokenizeStrategy.AUTO,
     ) -> None:
         if strategy is DetokenizeStrategy.AUTO:
-            # Duck-typed tokenizers without byte access fall back to OFFSETS.
+            # BYTES only where a token's bytes are exactly what decode() yields for it
+            # (`exact_token_bytes`; SentencePiece-style decoders strip a leading space, so they
+            # are not); everything else uses the OFFSETS technique.
             has_bytes = callable(getattr(tokenizer, "id_to_bytes", None))
-            strategy = DetokenizeStrategy.BYTES if has_bytes else DetokenizeStrategy.OFFSETS
+            exact = getattr(tokenizer, "exact_token_bytes", True)
+            strategy = DetokenizeStrategy.BYTES if has_bytes and exact else DetokenizeStrategy.OFFSETS
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._strategy = strategy

@@ -45,6 +45,7 @@ from worker.detokenizer import IncrementalDetokenizer
 from worker.device import dtype_name
 from worker.engine_types import (
     ACCEPTED_TYPES,
+    EVENT_PREFILL_STARTED,
     EngineConfig,
     EngineInputError,
     EngineLoad,
@@ -276,6 +277,7 @@ class Engine:
             if not self.blocks.has_sequence(llm.request_id):
                 reused = self.blocks.add_sequence(llm)
                 tracked.num_cached_tokens = max(tracked.num_cached_tokens, reused)
+                self._record(tracked, llm.state, EVENT_PREFILL_STARTED)
             position = llm.context_current_position
             end = position + llm.context_chunk_size
             chunks.append(

@@ -30,6 +30,11 @@ class EngineInputError(ValueError):
         self.message = message
 
 
+# The detail of the StateEvent recorded when a request's first context chunk is scheduled (its
+# state stays CONTEXT_INIT, so the router learns of it from this detail).
+EVENT_PREFILL_STARTED = "prefill started"
+
+
 class InstanceRole(enum.Enum):
     PREFILL = "PREFILL"
     GENERATION = "GENERATION"
