@@ -218,9 +218,12 @@ class Instance:
     def abort(self, request_id: str, detail: str = "aborted") -> None:
         self._command(("abort", request_id, detail))
 
-    def push(self, request_id: str, target: str, transfer_id: str, deadline_s: float) -> None:
-        """Start pushing a CONTEXT_ONLY request's KV to a generation instance's reservation."""
-        self._command(("push", request_id, target, transfer_id, float(deadline_s)))
+    def push(
+        self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str | None = None
+    ) -> None:
+        """Start pushing a CONTEXT_ONLY request's KV to a generation instance's reservation.
+        `target_request_id` is the request's id on the receiver (default: the same id)."""
+        self._command(("push", request_id, target, transfer_id, float(deadline_s), target_request_id or request_id))
 
     def release(self, request_id: str, reason: str, detail: str = "") -> None:
         """Give up a CONTEXT_ONLY request's hand-over: DISAGG_TRANS_ERROR, blocks freed."""
@@ -375,7 +378,7 @@ class Instance:
                     box.set_exception(error)
             self._publish([])
 
-    def _start_push(self, request_id: str, target: str, transfer_id: str, deadline_s: float) -> None:
+    def _start_push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
         from worker.engine import EngineError
 
         if self.sender is None:
@@ -389,7 +392,7 @@ class Instance:
 
         def run() -> None:
             try:
-                outcome = self.sender.push(target, transfer_id, request_id, source, deadline_s)
+                outcome = self.sender.push(target, transfer_id, target_request_id, source, deadline_s)
                 failure = outcome.failure
                 result = PushResult(
                     request_id, transfer_id, outcome.ok, None if failure is None else failure.reason.value,

@@ -1,0 +1,249 @@
+"""The router with real engines in this process (no Ray): the disaggregated flow, recovery, aborts.
+
+Instances talk KV over real gRPC on 127.0.0.1; the router drives them through LocalInstanceClient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from cluster.config import HealthConfig, RouterConfig, StageTimeouts
+from cluster.instance_client import LocalInstanceClient
+from cluster.router import Router
+from cluster.router_types import ClientRequest, ErrorKind, FinalEvent, Outcome, RouterError, TokenEvent
+from worker.default_model import margin_corpus
+from worker.engine_types import EngineConfig, InstanceRole
+from worker.instance import Instance, InstanceSpec
+from worker.sampling import SamplingParams
+from worker.tokenizer import ByteTokenizer
+
+TOKEN = "router-local-test-token-0123456789"
+PROMPTS = margin_corpus(0, 16)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=77, ignore_eos=True)
+
+
+def make_instance(instance_id: str, role: InstanceRole, faults=None, num_blocks: int = 256) -> Instance:
+    spec = InstanceSpec(
+        instance_id,
+        EngineConfig(role=role, num_blocks=num_blocks, tokens_per_block=16, sender_lease_s=30.0),
+        dtype="float32",
+        device="cpu",
+        cluster_token=TOKEN,
+        torch_threads=1,
+        faults=faults,
+        sender={"max_chunk_bytes": 64 * 1024},
+        receiver={"max_chunk_bytes": 64 * 1024},
+    )
+    return Instance(spec)
+
+
+def router_config(**overrides) -> RouterConfig:
+    data = {
+        "health": {"heartbeat_interval_s": 0.2, "dead_after_s": 1.5},
+        "timeouts": {"context_s": 30.0, "reservation_s": 10.0, "transfer_s": 10.0, "generation_s": 60.0},
+    }
+    data.update(overrides)
+    return RouterConfig.from_dict(data)
+
+
+class Cluster:
+    def __init__(self, roles: dict[str, InstanceRole], faults: dict | None = None, config: RouterConfig | None = None):
+        if config is None and InstanceRole.PREFILL not in roles.values():
+            config = router_config(placement={"disaggregation": "never"})
+        self.instances = {name: make_instance(name, role, (faults or {}).get(name)) for name, role in roles.items()}
+        self.clients = {name: LocalInstanceClient(inst) for name, inst in self.instances.items()}
+        self.router = Router(
+            config or router_config(), ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=5
+        )
+
+    async def __aenter__(self) -> Cluster:
+        await self.router.start()
+        for client in self.clients.values():
+            await self.router.add_instance(client)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.router.stop()
+        for name, instance in self.instances.items():
+            if not self.clients[name].killed:
+                instance.shutdown()
+
+    async def run(self, prompt, params, **kw) -> tuple[list[int], FinalEvent]:
+        handle = await self.router.submit(ClientRequest(None, tuple(prompt), params, **kw))
+        tokens: list[int] = []
+        final = None
+        async for event in handle.events():
+            if isinstance(event, TokenEvent):
+                tokens.extend(event.token_ids)
+            else:
+                final = event
+        assert final is not None
+        return tokens, final
+
+    async def free_blocks_settle(self, timeout_s: float = 10.0) -> dict[str, tuple[int, int]]:
+        """Wait until every live instance reports all blocks free (cached-but-free count as free)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            seen = {}
+            for name, instance in self.instances.items():
+                if self.clients[name].killed:
+                    continue
+                engine = instance.engine
+                seen[name] = (engine.blocks.num_free_blocks, engine.blocks.num_blocks)
+            if all(free == total for free, total in seen.values()) or loop.time() > deadline:
+                return seen
+            await asyncio.sleep(0.05)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def states(final: FinalEvent) -> list[str]:
+    return [entry.state for entry in final.timeline]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_disaggregated_equals_colocated(params) -> None:
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as colocated_cluster:
+            colocated = [await colocated_cluster.run(p, params) for p in PROMPTS[:8]]
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}) as disagg_cluster:
+            results = await asyncio.gather(*(disagg_cluster.run(p, params) for p in PROMPTS[:8]))
+            free = await disagg_cluster.free_blocks_settle()
+            assert disagg_cluster.router.inconsistent_reports == 0
+        for (ref_tokens, ref_final), (tokens, final) in zip(colocated, results, strict=True):
+            assert final.outcome is Outcome.COMPLETE, final.error_message
+            assert tokens == ref_tokens
+            assert states(final) == [
+                "QUEUED", "CONTEXT_WAIT", "CONTEXT_IN_PROGRESS", "GENERATION_INIT", "TRANSMISSION", "GENERATING", "COMPLETE",
+            ]
+            assert [u.phase for u in final.instances] == ["prefill", "generation"]
+            assert states(ref_final) == ["QUEUED", "CONTEXT_WAIT", "CONTEXT_IN_PROGRESS", "GENERATING", "COMPLETE"]
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_corrupted_transfer_is_retried_and_output_unchanged() -> None:
+    faults = {"p0": {"enabled": True, "seed": 2, "rules": [{"kind": "corrupt", "chunk": 0, "max_fires": 1}]}}
+
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected, _ = await reference.run(PROMPTS[3], GREEDY)
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, faults) as cluster:
+            tokens, final = await cluster.run(PROMPTS[3], GREEDY)
+            free = await cluster.free_blocks_settle()
+        assert final.outcome is Outcome.COMPLETE
+        assert tokens == expected
+        timeline = states(final)
+        assert timeline.count("TRANSMISSION") == 2 and timeline.count("GENERATION_INIT") == 2
+        assert any("retry transfer" in e.detail for e in final.timeline)
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_persistent_transfer_failure_recomputes_locally() -> None:
+    faults = {"p0": {"enabled": True, "seed": 2, "rules": [{"kind": "corrupt", "chunk": 0}]}}
+
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected, _ = await reference.run(PROMPTS[4], SEEDED)
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, faults) as cluster:
+            tokens, final = await cluster.run(PROMPTS[4], SEEDED)
+            free = await cluster.free_blocks_settle()
+        assert final.outcome is Outcome.COMPLETE
+        assert tokens == expected
+        assert any("recompute locally" in e.detail for e in final.timeline)
+        assert [u.phase for u in final.instances] == ["prefill", "generation", "generation", "recompute"]
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_generation_instance_dies_mid_stream_and_another_continues() -> None:
+    async def scenario():
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected, _ = await reference.run(PROMPTS[5], params)
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION, "g1": InstanceRole.GENERATION}) as cluster:
+            handle = await cluster.router.submit(ClientRequest(None, tuple(PROMPTS[5]), params))
+            tokens: list[int] = []
+            final = None
+            victim = None
+            async for event in handle.events():
+                if isinstance(event, TokenEvent):
+                    tokens.extend(event.token_ids)
+                    if victim is None and len(tokens) >= 20:
+                        victim = cluster.router.get_request(handle.request_id).instances[-1].instance_id
+                        cluster.clients[victim].killed = True
+                        cluster.instances[victim].shutdown()
+                else:
+                    final = event
+            free = await cluster.free_blocks_settle()
+        assert final.outcome is Outcome.COMPLETE, final.error_message
+        assert tokens == expected  # no token lost, none repeated
+        assert victim is not None and any("died" in e.detail for e in final.timeline)
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_abort_and_deadline_free_every_block() -> None:
+    async def scenario():
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}) as cluster:
+            long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+            handle = await cluster.router.submit(ClientRequest(None, tuple(PROMPTS[6]), long))
+            seen = 0
+            async for event in handle.events():
+                if isinstance(event, TokenEvent):
+                    seen += len(event.token_ids)
+                    if seen >= 5:
+                        aborted, _ = await cluster.router.abort(handle.request_id)
+                        assert aborted
+                else:
+                    assert event.outcome is Outcome.ABORTED and event.error_kind is ErrorKind.CANCELLED
+            tokens, final = await cluster.run(PROMPTS[7], long, timeout_s=0.8)
+            assert final.outcome is Outcome.ABORTED and final.error_kind is ErrorKind.DEADLINE_EXCEEDED
+            free = await cluster.free_blocks_settle()
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_admission_and_validation_errors() -> None:
+    async def scenario():
+        config = router_config(admission={"max_queued_requests": 2}, placement={"disaggregation": "never"})
+        async with Cluster({"m0": InstanceRole.MIXED}, config=config) as cluster:
+            router = cluster.router
+            long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+            first = await router.submit(ClientRequest(None, tuple(PROMPTS[0]), long))
+            second = await router.submit(ClientRequest(None, tuple(PROMPTS[1]), long))
+            with pytest.raises(RouterError) as full:
+                await router.submit(ClientRequest(None, tuple(PROMPTS[2]), long))
+            assert full.value.kind is ErrorKind.RESOURCE_EXHAUSTED
+            for handle in (first, second):
+                await router.abort(handle.request_id)
+            with pytest.raises(RouterError) as bad:
+                await router.submit(ClientRequest(None, (1, 2, 999), GREEDY))
+            assert bad.value.kind is ErrorKind.INVALID_ARGUMENT and bad.value.field == "prompt.token_ids"
+            with pytest.raises(RouterError) as too_long:
+                await router.submit(ClientRequest(None, (1,) * 4000, SamplingParams(max_tokens=200)))
+            assert too_long.value.field == "sampling.max_tokens"
+            with pytest.raises(RouterError) as missing:
+                router.get_request("nope")
+            assert missing.value.kind is ErrorKind.NOT_FOUND
+            handle = await router.submit(ClientRequest("héllo", None, GREEDY))
+            async for event in handle.events():
+                if isinstance(event, FinalEvent):
+                    assert event.outcome is Outcome.COMPLETE
+                    assert event.usage.prompt_tokens == len(ByteTokenizer().encode("héllo"))
+            await cluster.free_blocks_settle()
+
+    run(scenario())
