@@ -6,11 +6,10 @@ Instances talk KV over real gRPC on 127.0.0.1; the router drives them through Lo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 
-from cluster.config import HealthConfig, RouterConfig, StageTimeouts
+from cluster.config import RouterConfig
 from cluster.instance_client import LocalInstanceClient
 from cluster.router import Router
 from cluster.router_types import ClientRequest, ErrorKind, FinalEvent, Outcome, RouterError, TokenEvent
