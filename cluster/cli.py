@@ -3,6 +3,8 @@
     duet generate "Once upon a time" --max-tokens 32 --temperature 0
     echo "prompt from stdin" | duet generate - --json
     duet status --watch 2
+    duet serve --config cluster.yaml           # or: ray job submit --working-dir . -- duet serve ...
+    duet demo
 
 `--target HOST:PORT` (default 127.0.0.1:50051) is the gRPC front end; `--address` is always the
 Ray cluster's (DESIGN.md §4). Each subcommand lives in a `_add_<name>(subparsers)` function that
@@ -109,7 +111,8 @@ def rpc_failure(error: DuetError, target: str) -> CliError:
     """One line that says what went wrong, and the exit status of its class."""
     exit_code = EXIT_CODES.get(error.code.name, EXIT_INTERNAL)
     if error.unreachable:
-        return CliError(f"cannot reach the duet front end at {target} ({_first_line(error.message)}); is `duet serve` running?", exit_code)
+        reason = "connection refused" if "connection refused" in error.message.lower() else _first_line(error.message)
+        return CliError(f"cannot reach the duet front end at {target} ({reason}); is `duet serve` running?", exit_code)
     return CliError(f"{error.code.name}: {_first_line(error.message)}", exit_code)
 
 
@@ -183,11 +186,12 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
     started_s = time.monotonic()
     first_token_s: float | None = None
     wrote_text = False
+    result = None
     try:
         for event in client.generate_request(request):
             if not isinstance(event, Delta):
-                result = event
-                break
+                result = event  # always the last event
+                continue
             if event.token_ids and first_token_s is None:
                 first_token_s = time.monotonic() - started_s
             if event.text:
@@ -199,6 +203,7 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
             out.write("\n")
             out.flush()
     total_s = time.monotonic() - started_s
+    assert result is not None, "generate_request ends with a Result or raises"
     ttft = f"{first_token_s:.3f}s" if first_token_s is not None else "-"
     stop = f" ({result.stop_reason!r})" if result.stop_reason is not None else ""
     err.write(
@@ -321,7 +326,125 @@ def _counts(counts: Any) -> str:
 
 # ---- the parser -------------------------------------------------------------------------------
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_generate, _add_status)
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """What to deploy: a config file plus flag overrides (flags win)."""
+    parser.add_argument("--config", metavar="FILE", help="cluster configuration (YAML); see cluster/deploy_config.py")
+    parser.add_argument(
+        "--address", metavar="ADDR", default=None,
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else an embedded local cluster)",
+    )
+    parser.add_argument("--model", metavar="DIR", default=None, help="a local Hugging Face checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--device", default=None, metavar="DEV", help="auto, cpu or cuda")
+    for role in ("prefill", "generation", "mixed"):
+        parser.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"number of {role.upper()} instances")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def load_cluster_config(args: argparse.Namespace) -> Any:
+    from cluster.config import ConfigError
+    from cluster.deploy_config import ClusterConfig
+    from worker.engine_types import InstanceRole
+
+    try:
+        config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
+        counts = {
+            role: getattr(args, role.value.lower())
+            for role in InstanceRole
+            if getattr(args, role.value.lower(), None) is not None
+        }
+        if counts:
+            config = config.with_instances(counts)
+        overrides: dict[str, Any] = {}
+        for name in ("model", "dtype", "device"):
+            value = getattr(args, name, None)
+            if value is not None:
+                overrides[name] = value
+        if getattr(args, "address", None):
+            import dataclasses
+
+            overrides["ray"] = dataclasses.replace(config.ray, address=args.address)
+        frontend = {}
+        if getattr(args, "host", None) is not None:
+            frontend["host"] = args.host
+        if getattr(args, "port", None) is not None:
+            frontend["port"] = args.port
+        if getattr(args, "auth_token", None):
+            frontend["tokens"] = tuple(args.auth_token)
+        if frontend:
+            import dataclasses
+
+            overrides["frontend"] = dataclasses.replace(config.frontend, **frontend)
+        if overrides:
+            import dataclasses
+
+            config = dataclasses.replace(config, **overrides)
+    except (OSError, ConfigError) as error:
+        raise CliError(f"bad configuration: {error}", EXIT_USAGE) from None
+    return config
+
+
+def _setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="deploy instances on Ray and serve the gRPC client API",
+        description="Start (or join) a Ray cluster, deploy the instances, serve the client API until "
+        "SIGTERM / Ctrl-C, then drain. Logs 'serving on HOST:PORT' when ready.",
+    )
+    _add_cluster_options(parser)
+    parser.add_argument("--host", default=None, help="front end bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="front end port (default 50051; 0 picks a free one)")
+    parser.add_argument(
+        "--auth-token", action="append", default=[], metavar="TOKEN",
+        help="require this bearer token from clients (repeatable)",
+    )
+    parser.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from cluster.serve import serve
+
+    _setup_logging(args.log_level)
+    config = load_cluster_config(args)
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+
+    return asyncio.run(serve(config, announce=announce))
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="start the embedded cluster, stream a mixed batch of requests, print per-request timings",
+        description="The quick-start job: an embedded cluster (1 PREFILL + 1 GENERATION, the built-in "
+        "model), a mixed batch of requests through the client API, a table per request (TTFT, TPOT, "
+        "instances used, state timeline), then shutdown.",
+    )
+    _add_cluster_options(parser)
+    parser.set_defaults(handler=_run_demo, log_level="WARNING")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from cluster.demo import run_demo
+
+    _setup_logging(args.log_level)
+    config = load_cluster_config(args)
+    config = dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0))
+    return run_demo(config)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_generate, _add_status, _add_serve, _add_demo)
 
 
 def build_parser(subcommands: Sequence[Callable[[argparse._SubParsersAction], None]] = SUBCOMMANDS) -> argparse.ArgumentParser:

@@ -316,7 +316,8 @@ class Router:
         request = self._lookup(request_id, client_request_id)
         if request.ended:
             return False, request.timeline.state.name
-        await self._end(request, Outcome.ABORTED, "abort", None, ErrorKind.CANCELLED, "aborted by the client")
+        # An abort the client asked for ends its stream normally, with finish reason "abort".
+        await self._end(request, Outcome.ABORTED, "abort", None, None, "aborted by the client")
         return True, request.timeline.state.name
 
     def get_request(self, request_id: str | None = None, client_request_id: str | None = None) -> RequestView:

@@ -1,0 +1,197 @@
+"""Deployment on Ray: connect (or start an embedded cluster), check resources, start instance actors.
+
+Ray appears here and in cluster/instance_client.py only. The instance actor class
+(worker.instance.Instance) is imported inside `start`, where actors are spawned, so importing this
+module never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.deploy_config import ClusterConfig, InstanceGroup
+from cluster.instance_client import RayInstanceClient
+from worker.engine_types import InstanceRole
+
+logger = logging.getLogger(__name__)
+
+ACTOR_MAX_CONCURRENCY = 16
+
+
+class DeploymentError(RuntimeError):
+    """The deployment cannot be satisfied or did not come up in time (the message says why)."""
+
+
+@dataclass(frozen=True)
+class PlannedInstance:
+    instance_id: str
+    group: InstanceGroup
+    num_gpus: float
+
+
+def connect_ray(config: ClusterConfig) -> bool:
+    """Join the cluster at ray.address / RAY_ADDRESS, or start an embedded local one pinned to
+    127.0.0.1 with the dashboard (and its job API) off or on loopback. Returns True if this call
+    started Ray (and so should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        logger.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
+        return True
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    logger.info("starting an embedded Ray cluster on 127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=config.ray.num_cpus,
+        include_dashboard=config.ray.include_dashboard,
+        dashboard_host=config.ray.dashboard_host,
+        namespace=config.ray.namespace,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return True
+
+
+def _demand(planned: PlannedInstance) -> dict[str, float]:
+    demand = {"CPU": planned.group.num_cpus, **dict(planned.group.resources)}
+    if planned.num_gpus:
+        demand["GPU"] = planned.num_gpus
+    return {name: amount for name, amount in demand.items() if amount > 0}
+
+
+def plan_instances(config: ClusterConfig, cluster_resources: dict[str, float]) -> list[PlannedInstance]:
+    has_gpus = cluster_resources.get("GPU", 0) > 0
+    planned = []
+    for group in config.instances:
+        gpus = group.num_gpus if group.num_gpus is not None else (1.0 if has_gpus else 0.0)
+        prefix = group.role.value.lower()
+        taken = sum(1 for p in planned if p.group.role is group.role)
+        for index in range(group.count):
+            planned.append(PlannedInstance(f"{prefix}-{taken + index}", group, gpus))
+    return planned
+
+
+def check_resources(planned: list[PlannedInstance], nodes: list[dict[str, Any]], totals: dict[str, float]) -> None:
+    """Fail fast, naming the missing resource, when the cluster cannot hold the deployment."""
+    capacities = [dict(node.get("Resources", {})) for node in nodes if node.get("Alive", True)]
+    for item in planned:
+        demand = _demand(item)
+        if not any(all(capacity.get(name, 0.0) >= amount for name, amount in demand.items()) for capacity in capacities):
+            missing = [
+                f"{name}={amount:g} (largest node offers {max((c.get(name, 0.0) for c in capacities), default=0.0):g})"
+                for name, amount in demand.items()
+                if not any(c.get(name, 0.0) >= amount for c in capacities)
+            ] or [f"{demand} together on one node"]
+            raise DeploymentError(
+                f"instance {item.instance_id} ({item.group.role.name}) needs {', '.join(missing)}: no node can host it"
+            )
+    needed: dict[str, float] = {}
+    for item in planned:
+        for name, amount in _demand(item).items():
+            needed[name] = needed.get(name, 0.0) + amount
+    for name, amount in needed.items():
+        if amount > totals.get(name, 0.0) + 1e-9:
+            raise DeploymentError(
+                f"the deployment needs {name}={amount:g} in total, the Ray cluster has {totals.get(name, 0.0):g}"
+            )
+
+
+class Deployment:
+    """The instance actors of one cluster configuration."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.cluster_token = config.cluster_token or secrets.token_urlsafe(32)
+        self.actors: dict[str, Any] = {}
+        self.clients: dict[str, RayInstanceClient] = {}
+        self._started_ray = False
+
+    def connect(self) -> None:
+        """Connect to (or start) Ray. Call it from the main thread: Ray installs signal handlers."""
+        if connect_ray(self.config):
+            self._started_ray = True
+
+    def start(self) -> list[RayInstanceClient]:
+        """Create every actor and wait (bounded) until each reports ready."""
+        import ray
+
+        from worker.instance import Instance, InstanceSpec
+
+        self.connect()
+        planned = plan_instances(self.config, ray.cluster_resources())
+        check_resources(planned, ray.nodes(), ray.cluster_resources())
+        remote_class = ray.remote(Instance)
+        strategy = "SPREAD" if self.config.placement_strategy == "spread" else "DEFAULT"
+        pending = {}
+        for item in planned:
+            spec = InstanceSpec(
+                instance_id=item.instance_id,
+                engine=self.config.engine_config(item.group),
+                model=self.config.model,
+                dtype=self.config.dtype,
+                device=self.config.device,
+                transfer_host="auto",  # each actor binds to its own node's address
+                cluster_token=self.cluster_token,
+                torch_threads=item.group.torch_threads,
+                faults=self.config.faults,
+            )
+            actor = remote_class.options(
+                name=f"duet-{item.instance_id}",
+                num_cpus=item.group.num_cpus,
+                num_gpus=item.num_gpus,
+                resources=dict(item.group.resources) or None,
+                max_concurrency=ACTOR_MAX_CONCURRENCY,
+                max_restarts=self.config.max_restarts,
+                max_task_retries=0,
+                scheduling_strategy=strategy,
+            ).remote(spec.to_bytes())
+            self.actors[item.instance_id] = actor
+            pending[item.instance_id] = actor.ping.remote()
+        try:
+            ready, not_ready = ray.wait(list(pending.values()), num_returns=len(pending), timeout=self.config.actor_start_timeout_s)
+            if not_ready:
+                late = [iid for iid, ref in pending.items() if ref in not_ready]
+                raise DeploymentError(
+                    f"instances {late} did not start within {self.config.actor_start_timeout_s:g}s "
+                    f"(waiting for resources? available: {ray.available_resources()})"
+                )
+            for instance_id, ref in pending.items():
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as error:
+                    raise DeploymentError(f"instance {instance_id} failed to start: {error}") from None
+        except BaseException:
+            self.stop()
+            raise
+        self.clients = {iid: RayInstanceClient(iid, actor) for iid, actor in self.actors.items()}
+        logger.info("started %d instances: %s", len(self.actors), ", ".join(self.actors))
+        return list(self.clients.values())
+
+    def stop(self) -> None:
+        import ray
+
+        for instance_id, actor in list(self.actors.items()):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as error:  # noqa: BLE001 - best effort on the way out
+                logger.debug("killing %s: %s", instance_id, error)
+        self.actors.clear()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+
+def roles_summary(config: ClusterConfig) -> str:
+    counts: dict[InstanceRole, int] = {}
+    for group in config.instances:
+        counts[group.role] = counts.get(group.role, 0) + group.count
+    return ", ".join(f"{count} {role.name}" for role, count in counts.items() if count)

@@ -1,0 +1,145 @@
+"""`duet serve`: deploy the instances, run the router and the gRPC front end, drain on SIGTERM.
+
+    async with ServingCluster(config) as cluster:   # instances up, router polling, front end bound
+        print(cluster.target)                        # HOST:PORT of the client API
+        await cluster.wait_for_stop()                # SIGTERM / SIGINT / stop() -> graceful drain
+
+Draining (SIGTERM, `ray job stop`, Ctrl-C): health reports NOT_SERVING and new requests get
+UNAVAILABLE; requests in flight finish, or end with UNAVAILABLE once `drain_timeout_s` has passed;
+then the front end, the router and the instance actors stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+from cluster.deploy_config import ClusterConfig
+from cluster.launch import Deployment, DeploymentError, roles_summary
+from cluster.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model: str | None):
+    """The served model's tokenizer, for text prompts at the front end (no torch)."""
+    if model is None:
+        from worker.tokenizer import ByteTokenizer
+
+        return ByteTokenizer()
+    from worker.tokenizer import HfTokenizer
+
+    return HfTokenizer.from_directory(Path(model))
+
+
+class ServingCluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.deployment = Deployment(config)
+        self.router: Router | None = None
+        self.frontend = None
+        self.target = ""
+        self._stop = asyncio.Event()
+
+    async def __aenter__(self) -> ServingCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        from cluster.frontend import FrontendServer
+
+        config = self.config
+        logger.info("deploying %s", roles_summary(config))
+        self.deployment.connect()
+        clients = await asyncio.to_thread(self.deployment.start)
+        infos = [await client.get_info() for client in clients]
+        fingerprints = {info.layout.model_fingerprint for info in infos}
+        if len(fingerprints) != 1:
+            await self.shutdown()
+            raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})")
+        first = infos[0]
+        self.router = Router(
+            config.router,
+            load_tokenizer(config.model),
+            vocab_size=first.vocab_size,
+            max_seq_len=min(info.max_seq_len for info in infos),
+            tokens_per_block=first.layout.tokens_per_block,
+            seed=config.seed,
+        )
+        await self.router.start()
+        for client in clients:
+            await self.router.add_instance(client)
+        tls = None
+        frontend_config = config.frontend
+        if frontend_config.tls_cert is not None:
+            from worker.kv_transfer.tls import TlsConfig
+
+            certificate = Path(frontend_config.tls_cert).read_bytes()
+            client_ca = frontend_config.tls_client_ca
+            # Server TLS; with a client CA, mutual TLS (clients must present certificates it signed).
+            tls = TlsConfig(
+                certificate_chain_pem=certificate,
+                private_key_pem=Path(frontend_config.tls_key).read_bytes(),
+                root_certificates_pem=Path(client_ca).read_bytes() if client_ca else certificate,
+                require_client_auth=client_ca is not None,
+            )
+        self.frontend = FrontendServer(
+            self.router, host=frontend_config.host, port=frontend_config.port, tokens=frontend_config.tokens, tls=tls
+        )
+        port = await self.frontend.start()
+        self.target = f"{frontend_config.host}:{port}"
+        logger.info("serving on %s", self.target)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+
+    async def wait_for_stop(self) -> None:
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        """Drain, then stop everything (idempotent)."""
+        if self.frontend is not None:
+            with contextlib.suppress(Exception):
+                await self.frontend.set_serving(False)
+        if self.router is not None:
+            left = await self.router.drain(self.config.drain_timeout_s)
+            if left:
+                logger.warning("drain: %d requests ended with UNAVAILABLE", left)
+        if self.frontend is not None:
+            await self.frontend.stop(2.0)
+            self.frontend = None
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
+        await asyncio.to_thread(self.deployment.stop)
+
+
+async def serve(config: ClusterConfig, *, announce=print) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit status."""
+    cluster = ServingCluster(config)
+    try:
+        await cluster.start()
+    except DeploymentError as error:
+        logger.error("%s", error)
+        await cluster.shutdown()
+        return 3
+    cluster.install_signal_handlers()
+    announce(f"serving on {cluster.target}")
+    try:
+        await cluster.wait_for_stop()
+        logger.info("stopping: draining in-flight requests")
+    finally:
+        await cluster.shutdown()
+    return 0
