@@ -112,6 +112,7 @@ class Deployment:
         self.config = config
         self.cluster_token = config.cluster_token or secrets.token_urlsafe(32)
         self.actors: dict[str, Any] = {}
+        self.deployment_id = secrets.token_hex(3)  # in actor names, so deployments never clash
         self.clients: dict[str, RayInstanceClient] = {}
         self._started_ray = False
 
@@ -145,7 +146,7 @@ class Deployment:
                 faults=self.config.faults,
             )
             actor = remote_class.options(
-                name=f"duet-{item.instance_id}",
+                name=f"duet-{self.deployment_id}-{item.instance_id}",
                 num_cpus=item.group.num_cpus,
                 num_gpus=item.num_gpus,
                 resources=dict(item.group.resources) or None,

@@ -292,7 +292,11 @@ class Router:
         client_id = request.client_request_id
         if client_id is not None and client_id in self._by_client_id:
             raise RouterError(ErrorKind.INVALID_ARGUMENT, f"client_request_id {client_id!r} is in use", "client_request_id")
-        request_id = f"{self._id_prefix}-{next(self._counter)}"
+        # The client's id, when it gives one, is the request's id (so that operators and chaos
+        # plans can name a request's hops: "<id>.p1", "<id>.g1").
+        request_id = client_id if client_id is not None else f"{self._id_prefix}-{next(self._counter)}"
+        if request_id in self._requests:
+            raise RouterError(ErrorKind.INVALID_ARGUMENT, f"request id {request_id!r} is in use", "client_request_id")
         now = self._clock()
         deadline = None if request.timeout_s is None else now + request.timeout_s
         state = _Request(

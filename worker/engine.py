@@ -95,6 +95,9 @@ class _Tracked:
     reservation: _Reservation | None = None
     lease_deadline_s: float | None = None
     pushes_in_flight: int = 0
+    # An abort or release that came while a push was reading the blocks: it takes effect (and the
+    # blocks are freed) when the push returns, never under a reader's feet.
+    deferred_end: Callable[[list[RequestOutput]], None] | None = None
     held_until_s: float = 0.0
     finished: bool = False
     timeline: list[StateEvent] = field(default_factory=list)
@@ -278,6 +281,7 @@ class Engine:
                 reused = self.blocks.add_sequence(llm)
                 tracked.num_cached_tokens = max(tracked.num_cached_tokens, reused)
                 self._record(tracked, llm.state, EVENT_PREFILL_STARTED)
+                self._maybe_hold(tracked, "CONTEXT_IN_PROGRESS")
             position = llm.context_current_position
             end = position + llm.context_chunk_size
             chunks.append(
@@ -510,8 +514,20 @@ class Engine:
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.finished or tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return False
-        self._fail_transfer(tracked, self._pending_outputs, ErrorCode.TRANSFER_FAILED, failure.reason, failure.detail)
+
+        def end(outputs: list[RequestOutput]) -> None:
+            self._fail_transfer(tracked, outputs, ErrorCode.TRANSFER_FAILED, failure.reason, failure.detail)
+
+        self._end_when_unpinned(tracked, end)
         return True
+
+    def _end_when_unpinned(self, tracked: _Tracked, end: Callable[[list[RequestOutput]], None]) -> None:
+        if tracked.pushes_in_flight > 0:
+            if tracked.deferred_end is None:
+                tracked.deferred_end = end
+                self._record(tracked, tracked.llm.state, "ending once the push in flight returns")
+            return
+        end(self._pending_outputs)
 
     def _on_push(self, request_id: str, failure: TransferFailure | None, outputs: list[RequestOutput], pinned: bool) -> None:
         tracked = self._requests.get(request_id)
@@ -519,6 +535,10 @@ class Engine:
             return
         if pinned:
             tracked.pushes_in_flight = max(0, tracked.pushes_in_flight - 1)
+            if tracked.deferred_end is not None:
+                if tracked.pushes_in_flight == 0:
+                    tracked.deferred_end(outputs)
+                return
         if tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return
         if failure is None:
@@ -537,7 +557,11 @@ class Engine:
             with reservation.lock:  # waits for a write in progress
                 reservation.live = False
         error = RequestError(ErrorCode.ABORTED, detail)
-        self._finish(tracked, S.GENERATION_COMPLETE, self._pending_outputs, [], "", (), FinishReason.ABORT, None, error=error)
+
+        def end(outputs: list[RequestOutput]) -> None:
+            self._finish(tracked, S.GENERATION_COMPLETE, outputs, [], "", (), FinishReason.ABORT, None, error=error)
+
+        self._end_when_unpinned(tracked, end)
         return True
 
     # --- common end of a request -------------------------------------------------------------------
@@ -595,10 +619,10 @@ class Engine:
         tracked.timeline.append(event)
         self._events.append(event)
 
-    def _maybe_hold(self, tracked: _Tracked) -> None:
+    def _maybe_hold(self, tracked: _Tracked, state_name: str | None = None) -> None:
         if self._hold_hook is None:
             return
-        seconds = self._hold_hook(tracked.submit.request_id, tracked.llm.state.name)
+        seconds = self._hold_hook(tracked.submit.request_id, state_name or tracked.llm.state.name)
         if seconds > 0:
             tracked.held_until_s = self._clock() + seconds
 

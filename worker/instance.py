@@ -58,7 +58,7 @@ class InstanceSpec:
     model: str | None = None  # None: the embedded default model
     dtype: str = "auto"
     device: str = "auto"
-    transfer_host: str = "127.0.0.1"
+    transfer_host: str = "127.0.0.1"  # "auto": this node's Ray address (loopback outside Ray)
     transfer_port: int = 0
     cluster_token: str | None = None
     torch_threads: int | None = None
@@ -101,6 +101,19 @@ class InstanceSpec:
         engine = dict(raw.pop("engine"))
         config = EngineConfig().with_overrides(**engine)
         return cls(engine=config, **raw)
+
+
+def _bind_host(host: str) -> str:
+    if host != "auto":
+        return host
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray: loopback
+        pass
+    return "127.0.0.1"
 
 
 class _EngineSink:
@@ -155,7 +168,7 @@ class Instance:
 
             self.receiver = KvTransferServer(
                 _EngineSink(self.engine),
-                ReceiverConfig.from_mapping({**(spec.receiver or {}), "host": spec.transfer_host, "port": spec.transfer_port}),
+                ReceiverConfig.from_mapping({**(spec.receiver or {}), "host": _bind_host(spec.transfer_host), "port": spec.transfer_port}),
                 security=security,
                 faults=self.faults,
             )

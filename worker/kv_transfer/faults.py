@@ -15,7 +15,8 @@ deployment's own chaos runs:
 Rule fields: `kind` (below); `side` ("sender", the default, or "receiver"); `scope` ("chunk": every
 chunk draws on its own, the default; "transfer": one draw per transfer, and a hit acts on chunk
 `chunk`, default 0); `probability` (default 1.0); `request_ids` (only these requests; default all);
-`chunk` (only this chunk sequence number); `seconds` (delay and hold: how long; stall: how far past
+`chunk` (only this chunk sequence number); `request_ids` entries may be shell-style patterns
+(`chaos-7.*`); `seconds` (delay and hold: how long; stall: how far past
 the deadline, default 0.5); `state` (hold: the state name); `max_fires` (stop after this many hits).
 Draws are a hash of (seed, rule, request id, attempt, chunk), so a plan gives the same faults in
 every run regardless of thread timing, and a retried transfer (the next attempt of a request) draws
@@ -43,6 +44,9 @@ receiver: the calls its TransferTarget gets), the receiver serving on afterwards
 | kill      | receiver | SIGKILL to the receiving process                     | PEER_UNAVAILABLE       | (process gone)               |
 | hold      | (engine) | `hold_seconds(request_id, state)` returns `seconds`  | engine keeps the request in that state that long |  |
 
+Hold states are the local state names (LlmRequestState), plus CONTEXT_IN_PROGRESS: a request held
+there stops after its first context chunk, holding its blocks (a prefill in progress).
+
 A receiver learns of a lost sender (close, kill) from the streams it is serving; if the connection
 drops before any stream of the transfer has reached it, it learns at the transfer's deadline instead
 (fail(DEADLINE_EXCEEDED)). Acting on a stream's second chunk or later avoids that race in tests.
@@ -51,6 +55,7 @@ drops before any stream of the transfer has reached it, it learns at the transfe
 from __future__ import annotations
 
 import enum
+import fnmatch
 import hashlib
 import logging
 import math
@@ -164,7 +169,9 @@ class FaultRule:
         return self.chunk
 
     def matches_request(self, request_id: str) -> bool:
-        return not self.request_ids or request_id in self.request_ids
+        # Entries are shell-style patterns ("chaos-7.*" matches every hop of chaos-7); an entry
+        # without wildcards matches exactly.
+        return not self.request_ids or any(fnmatch.fnmatchcase(request_id, pattern) for pattern in self.request_ids)
 
 
 _RULE_FIELDS = {"kind", "side", "scope", "probability", "request_ids", "chunk", "seconds", "state", "max_fires"}
