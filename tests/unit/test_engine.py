@@ -402,3 +402,19 @@ def test_engine_api_misuse_is_an_error(default_model, corpus) -> None:
     assert error.value.field == "request_id"
     run_all(engine)
     assert_no_leak(engine)
+
+
+def test_abort_during_a_push_frees_blocks_only_when_the_push_returns(default_model, corpus) -> None:
+    prefill = make_engine(default_model, role=InstanceRole.PREFILL)
+    prefill.add_request(SubmitRequest("pinned", tuple(corpus[6]), greedy(), RequestType.CONTEXT_ONLY))
+    run_steps_until(prefill, lambda outs: any(o.context_done for o in outs))
+    source = prefill.begin_push("pinned")
+    before = bytes(source.read(0, prefill.layout.num_layers, 0, source.num_blocks))
+    assert prefill.abort("pinned", "client went away")
+    assert not [o for o in prefill.step() if o.finished]  # deferred: a push is reading the blocks
+    assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks
+    assert bytes(source.read(0, prefill.layout.num_layers, 0, source.num_blocks)) == before
+    prefill.report_push("pinned", None)
+    final = [o for o in prefill.step() if o.finished]
+    assert len(final) == 1 and final[0].error.code is ErrorCode.ABORTED
+    assert_no_leak(prefill)
