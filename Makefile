@@ -22,7 +22,7 @@ TORCH_INDEX_URL ?=
 TORCH_INDEX_ARGS := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-unit test-integration test-chaos lint replay demo bench-quick proto clean
+.PHONY: demo install test test-unit test-integration test-chaos lint replay demo bench-quick proto clean
 
 install: $(STAMP)
 
@@ -55,6 +55,11 @@ test-chaos: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+
+# The quick-start job: an embedded cluster (1 PREFILL + 1 GENERATION, the built-in model) serving a
+# mixed batch of requests through the gRPC client API.
+demo: $(STAMP)
+	$(VENV)/bin/duet demo
 
 # Replays TensorRT-LLM's scheduler peer cases; needs nothing but the system python3.
 replay:

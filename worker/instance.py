@@ -116,6 +116,19 @@ def _bind_host(host: str) -> str:
     return "127.0.0.1"
 
 
+def _node_id() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray: the hostname
+        pass
+    import socket
+
+    return socket.gethostname()
+
+
 class _EngineSink:
     """TransferSink over the engine (open() runs on the transfer server's threads)."""
 
@@ -190,6 +203,7 @@ class Instance:
             max_seq_len=self.engine.max_seq_len,
             pid=os.getpid(),
             device=str(model.device),
+            node_id=_node_id(),
         )
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._mailbox = threading.Condition()

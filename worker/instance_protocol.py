@@ -108,6 +108,7 @@ class InstanceInfo:
     max_seq_len: int
     pid: int
     device: str
+    node_id: str = ""  # the Ray node hosting it (its hostname outside Ray)
 
 
 def encode_info(info: InstanceInfo) -> bytes:
@@ -123,6 +124,7 @@ def encode_info(info: InstanceInfo) -> bytes:
             "max_seq_len": info.max_seq_len,
             "pid": info.pid,
             "device": info.device,
+            "node_id": info.node_id,
         }
     )
 
@@ -146,6 +148,7 @@ def decode_info(data: bytes) -> InstanceInfo:
         max_seq_len=_get(m, "max_seq_len", int, where),
         pid=_get(m, "pid", int, where),
         device=_get(m, "device", str, where),
+        node_id=_get(m, "node_id", str, where),
     )
 
 

@@ -1,0 +1,144 @@
+"""The `ray job submit` path: a head this test starts itself (own process group, temp dir and free
+ports on 127.0.0.1), `ray job submit --working-dir . -- duet serve ...`, a client request through
+the front end, `ray job stop` (graceful drain), then the head stopped by killing its process group
+(never a global `ray stop`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.client import DuetClient, DuetError
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    # `ray start` and `ray job submit` must agree on the auth mode.
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # stay on 127.0.0.1 (tests/conftest.py)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+def _ray(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [str(BIN / "ray"), *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"ray {' '.join(args)} failed ({result.returncode}):\n{result.stdout[-3000:]}")
+    return result
+
+
+@pytest.fixture
+def head():
+    temp_dir = tempfile.mkdtemp(prefix="duetray", dir="/tmp")
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    process = subprocess.Popen(
+        [
+            str(BIN / "ray"), "start", "--head", "--block",
+            "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
+        ],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, which the teardown kills
+    )
+    address = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise AssertionError(f"ray start exited with {process.returncode}")
+            if _ray("job", "list", "--address", address, timeout_s=30, check=False).returncode == 0:
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError("the head's job API never came up")
+        yield address
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def test_ray_job_submit_serves_and_drains(head, tmp_path) -> None:
+    port = _free_port()
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "dtype: float32\n"
+        "device: cpu\n"
+        "instances:\n"
+        "  - {role: PREFILL, count: 1, num_cpus: 0.5}\n"
+        "  - {role: GENERATION, count: 1, num_cpus: 0.5}\n"
+        "engine: {num_blocks: 256}\n"
+        f"frontend: {{host: 127.0.0.1, port: {port}}}\n"
+        "drain_timeout_s: 10\n"
+    )
+    deadline = time.monotonic() + 90
+    while True:  # the job agent may come up a little after the job API answers
+        submitted = _ray(
+            "job", "submit", "--address", head, "--no-wait", "--working-dir", str(REPO),
+            "--", "duet", "serve", "--config", str(config),
+            check=False,
+        )
+        if submitted.returncode == 0 or "No available agent" not in submitted.stdout or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert submitted.returncode == 0, submitted.stdout[-3000:]
+    job_id = re.search(r"raysubmit_[A-Za-z0-9]+", submitted.stdout).group(0)
+    try:
+        target = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            logs = _ray("job", "logs", "--address", head, job_id, check=False).stdout
+            if f"serving on {target}" in logs:
+                break
+            status = _ray("job", "status", "--address", head, job_id, check=False).stdout
+            if "FAILED" in status or time.monotonic() > deadline:
+                raise AssertionError(f"duet serve did not come up:\n{status}\n{logs[-4000:]}")
+            time.sleep(1)
+        with DuetClient(target, timeout_s=60) as client:
+            done = client.complete([256, 72, 105], max_tokens=6, temperature=0.0, ignore_eos=True)
+            assert len(done.token_ids) == 6
+            assert [w.phase for w in done.instances] == ["prefill", "generation"]
+    finally:
+        _ray("job", "stop", "--address", head, job_id, check=False, timeout_s=120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        status = _ray("job", "status", "--address", head, job_id, check=False).stdout.lower()
+        if "stopped" in status or "succeeded" in status:
+            break
+        time.sleep(1)
+    assert "stopped" in status or "succeeded" in status, status
+    logs = _ray("job", "logs", "--address", head, job_id, check=False).stdout
+    assert "draining in-flight requests" in logs, logs[-3000:]  # SIGTERM drained it
+    with DuetClient(target, timeout_s=5) as client, pytest.raises(DuetError):
+        client.health()  # the front end is gone
