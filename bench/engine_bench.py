@@ -151,7 +151,7 @@ def main() -> int:
             for batch in (8, 32):
                 progress(f"engine_bench: {name} decode batch {batch} ...")
                 prompts = _prompts(batch, decode_prompt, seed=batch)
-                bare_s = _median(lambda prompts=prompts: bare_decode(model, prompts, decode_steps), repeats)
+                bare_s = _median(lambda prompts=prompts, model=model: bare_decode(model, prompts, decode_steps), repeats)
                 engine_decode(model, tokenizer, prompts, decode_steps)  # warm-up
                 results = [engine_decode(model, tokenizer, prompts, decode_steps) for _ in range(repeats)]
                 engine_s = statistics.median(r[0] for r in results)
@@ -168,8 +168,8 @@ def main() -> int:
                     targets["8L-512_decode_b32_engine_over_bare"] = Target(ratio, 0.8, True)
             progress(f"engine_bench: {name} prefill 8 x {prefill_len} ...")
             prompts = _prompts(8, prefill_len, seed=1)
-            bare_s = _median(lambda prompts=prompts: bare_prefill(model, prompts), repeats)
-            engine_s = _median(lambda prompts=prompts: engine_prefill(model, tokenizer, prompts), repeats)
+            bare_s = _median(lambda prompts=prompts, model=model: bare_prefill(model, prompts), repeats)
+            engine_s = _median(lambda prompts=prompts, model=model: engine_prefill(model, tokenizer, prompts), repeats)
             tokens = 8 * prefill_len
             ratio = bare_s / engine_s
             figures[f"{name}_prefill_engine_tok_s"] = round(tokens / engine_s, 1)

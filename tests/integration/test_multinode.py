@@ -9,12 +9,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from cluster_harness import ClusterHarness  # noqa: I001 - a test helper beside this file
 
 from cluster.deploy_config import ClusterConfig
 from cluster.launch import Deployment, DeploymentError
 from worker.default_model import margin_corpus
-
-from cluster_harness import ClusterHarness  # noqa: I001 - a test helper beside this file
 
 
 @pytest.fixture(scope="module")
