@@ -224,6 +224,7 @@ class Router:
         self._watchdog: asyncio.Task | None = None
         self._accepting = True
         self.inconsistent_reports = 0  # local states that contradicted the global view (must stay 0)
+        self.illegal_transitions = 0  # refused by the transition table (a router bug; must stay 0)
         self.recovery_actions: Counter = Counter()
         self.transfers: Counter = Counter()
 
@@ -371,6 +372,7 @@ class Router:
             timestamp_s=self._wall(self._clock()),
             extra={
                 "inconsistent_reports": float(self.inconsistent_reports),
+                "illegal_transitions": float(self.illegal_transitions),
                 **{f"recovery_{k.value}": float(v) for k, v in self.recovery_actions.items()},
                 **{f"transfers_{k}": float(v) for k, v in self.transfers.items()},
             },
@@ -940,6 +942,7 @@ class Router:
         try:
             request.timeline.transition(state, instance_id=instance_id, route=route, detail=detail)
         except IllegalTransition:
+            self.illegal_transitions += 1
             logger.exception("router bug: illegal transition for %s", request.request_id)
             raise
 
