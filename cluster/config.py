@@ -216,11 +216,15 @@ class RecoveryConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    # Beyond this many queued requests new ones get RESOURCE_EXHAUSTED.
+    # Beyond this many requests in flight new ones get RESOURCE_EXHAUSTED.
     max_queued_requests: int = 1024
+    # Events (token deltas) held for a client that does not read its stream; beyond this the
+    # request is aborted ("the client stopped reading"), so a stalled client cannot hold KV forever.
+    max_buffered_events: int = 4096
 
     def __post_init__(self) -> None:
         _require_int("max_queued_requests", self.max_queued_requests, minimum=1)
+        _require_int("max_buffered_events", self.max_buffered_events, minimum=1)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@
     frontend: {host: 127.0.0.1, port: 50051, tokens: [], tls: null}
     cluster_token: null    # shared secret of the KV transfer path; generated when null
     faults: null           # a fault plan (worker/kv_transfer/faults.py) for chaos runs; off by default
+    kv_transfer: {sender: {num_streams: 2, max_chunk_bytes: 4194304}, receiver: {max_open_transfers: 16}}
     ray: {address: null, num_cpus: null, dashboard_host: 127.0.0.1, include_dashboard: false}
 
 Per instance group: `num_cpus` (fractions allowed, so 2 PREFILL + 2 GENERATION fit on 2 CPUs),
@@ -137,6 +138,8 @@ class ClusterConfig:
     frontend: FrontendConfig = field(default_factory=FrontendConfig)
     cluster_token: str | None = None
     faults: Mapping[str, Any] | None = None
+    # KV transfer tuning: {"sender": SenderConfig fields, "receiver": ReceiverConfig fields}.
+    kv_transfer: Mapping[str, Any] = field(default_factory=dict)
     ray: RayConfig = field(default_factory=RayConfig)
     actor_start_timeout_s: float = 180.0
     max_restarts: int = 3
@@ -153,6 +156,7 @@ class ClusterConfig:
         _number("actor_start_timeout_s", self.actor_start_timeout_s, minimum=1)
         _number("max_restarts", self.max_restarts, minimum=0, integer=True)
         _number("drain_timeout_s", self.drain_timeout_s, minimum=0)
+        _check_keys(self.kv_transfer, {"sender", "receiver"}, "kv_transfer")
         if not any(group.count for group in self.instances):
             raise ConfigError("instances", "deploys no instance")
         roles = {group.role for group in self.instances if group.count}
@@ -199,6 +203,7 @@ class ClusterConfig:
         values["frontend"] = FrontendConfig.from_dict(data.get("frontend") or {}, "frontend")
         values["ray"] = RayConfig.from_dict(data.get("ray") or {}, "ray")
         values["engine"] = dict(data.get("engine") or {})
+        values["kv_transfer"] = dict(data.get("kv_transfer") or {})
         return cls(**values)
 
     @classmethod

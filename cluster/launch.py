@@ -144,6 +144,8 @@ class Deployment:
                 cluster_token=self.cluster_token,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,
+                sender=self.config.kv_transfer.get("sender"),
+                receiver=self.config.kv_transfer.get("receiver"),
             )
             actor = remote_class.options(
                 name=f"duet-{self.deployment_id}-{item.instance_id}",

@@ -93,7 +93,6 @@ from worker.stopping import FinishReason
 
 logger = logging.getLogger(__name__)
 
-MAX_EVENTS_BUFFERED = 4096  # per request; a client that stops reading beyond this is cut off
 WATCHDOG_INTERVAL_S = 0.25
 MAX_SEED = 2**63 - 1
 
@@ -309,7 +308,7 @@ class Router:
             deadline_s=deadline,
             priority=request.priority,
             block_hashes=tuple(block_hash_chain(prompt, self.tokens_per_block)),
-            events=asyncio.Queue(maxsize=MAX_EVENTS_BUFFERED),
+            events=asyncio.Queue(maxsize=self.config.admission.max_buffered_events),
         )
         self._requests[request_id] = state
         if client_id is not None:
@@ -879,6 +878,10 @@ class Router:
         request.final = final
         self._outcomes[outcome.value if error_kind is None else f"{outcome.value}:{error_kind.value}"] += 1
         self._requests.pop(request.request_id, None)
+        if request.client_request_id is not None and self._by_client_id.get(request.client_request_id) == request.request_id:
+            # A client's name is unique among its live requests only (client.proto): free it. The
+            # ended request stays findable by it (its request id is that name).
+            del self._by_client_id[request.client_request_id]
         self._ended[request.request_id] = request
         while len(self._ended) > 10_000:
             self._ended.pop(next(iter(self._ended)))
@@ -958,6 +961,10 @@ class Router:
     def _lookup(self, request_id: str | None, client_request_id: str | None) -> _Request:
         if request_id is None and client_request_id is not None:
             request_id = self._by_client_id.get(client_request_id)
+            if request_id is None:
+                ended = self._ended.get(client_request_id)
+                if ended is not None and ended.client_request_id == client_request_id:
+                    return ended
         request = self._requests.get(request_id or "") or self._ended.get(request_id or "")
         if request is None:
             raise RouterError(ErrorKind.NOT_FOUND, f"no request {request_id or client_request_id!r}")

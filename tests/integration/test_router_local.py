@@ -246,3 +246,22 @@ def test_admission_and_validation_errors() -> None:
             await cluster.free_blocks_settle()
 
     run(scenario())
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_blocks_freed() -> None:
+    async def scenario():
+        config = router_config(admission={"max_buffered_events": 8}, placement={"disaggregation": "never"})
+        async with Cluster({"m0": InstanceRole.MIXED}, config=config) as cluster:
+            long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+            handle = await cluster.router.submit(ClientRequest(None, tuple(PROMPTS[2]), long))
+            # Never read the stream: once 8 events wait unread, the router gives up on the client.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while cluster.router.get_request(handle.request_id).final is None and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            view = cluster.router.get_request(handle.request_id)
+            assert view.state == "ABORTED" and "stopped reading" in view.error
+            free = await cluster.free_blocks_settle()
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
