@@ -21,13 +21,12 @@ import time
 
 import grpc
 import pytest
+from cluster_harness import ClusterHarness  # noqa: I001 - shared test helper
 
 from cluster.client import DuetError
 from cluster.config import ConfigError
 from cluster.deploy_config import ClusterConfig
 from worker.default_model import margin_corpus
-
-from cluster_harness import ClusterHarness  # noqa: I001 - shared test helper
 
 PROMPTS = margin_corpus(0, 16)  # certified free of greedy near-ties for 32 new tokens
 LONG = [p for p in PROMPTS if len(p) >= 64]  # >= 4 blocks: >= 2 chunks of 64 KiB per transfer
