@@ -440,7 +440,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     _setup_logging(args.log_level)
     config = load_cluster_config(args)
-    config = dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0))
+    config = dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0, metrics_port=0))
     return run_demo(config)
 
 

@@ -9,7 +9,7 @@
     engine: {tokens_per_block: 16, capacity_policy: GUARANTEED_NO_EVICT, max_num_tokens: 2048}
     placement_strategy: spread   # spread roles over nodes, or pack them
     router: {placement: {...}, recovery: {...}, admission: {...}, health: {...}, timeouts: {...}}
-    frontend: {host: 127.0.0.1, port: 50051, tokens: [], tls: null}
+    frontend: {host: 127.0.0.1, port: 50051, tokens: [], tls_cert: null, tls_key: null, metrics_port: 9464, timeline_log: null}
     cluster_token: null    # shared secret of the KV transfer path; generated when null
     faults: null           # a fault plan (worker/kv_transfer/faults.py) for chaos runs; off by default
     kv_transfer: {sender: {num_streams: 2, max_chunk_bytes: 4194304}, receiver: {max_open_transfers: 16}}
@@ -93,6 +93,10 @@ class FrontendConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # Prometheus /metrics on host:metrics_port (0 picks a free port; null turns it off).
+    metrics_port: int | None = 9464
+    # Every ended request's timeline as one JSON line in this file (null: off).
+    timeline_log: str | None = None
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], path: str) -> FrontendConfig:
@@ -101,6 +105,8 @@ class FrontendConfig:
         _number(f"{path}.port", config.port, minimum=0, integer=True)
         if config.port > 65535:
             raise ConfigError(f"{path}.port", f"must be <= 65535, got {config.port}")
+        if config.metrics_port is not None:
+            _number(f"{path}.metrics_port", config.metrics_port, minimum=0, integer=True)
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ConfigError(f"{path}.tls_cert", "tls_cert and tls_key go together")
         return config

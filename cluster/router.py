@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import RecoveryAction, RouterConfig
 from cluster.instance_client import InstanceClient, InstanceRejected, InstanceUnavailable
+from cluster.metrics import RouterMetrics, TimelineLog
 from cluster.placement import Candidate, InstanceHealth, NoInstanceAvailable, PlacementRequest, Placer
 from cluster.prefix_index import PrefixIndex
 from cluster.request_state import (
@@ -148,6 +149,8 @@ class _Request:
     uses: list[InstanceUse] = field(default_factory=list)
     final: FinalEvent | None = None
     error: str = ""
+    admitted_s: float = 0.0
+    first_token_s: float | None = None
 
     @property
     def ended(self) -> bool:
@@ -200,6 +203,8 @@ class Router:
         wall_clock: Callable[[], float] = time.time,
         seed: int | None = None,
         poll_timeout_s: float | None = None,
+        metrics: RouterMetrics | None = None,
+        timeline_log: TimelineLog | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -224,6 +229,8 @@ class Router:
         self._accepting = True
         self.inconsistent_reports = 0  # local states that contradicted the global view (must stay 0)
         self.illegal_transitions = 0  # refused by the transition table (a router bug; must stay 0)
+        self.metrics = metrics
+        self.timeline_log = timeline_log
         self.recovery_actions: Counter = Counter()
         self.transfers: Counter = Counter()
 
@@ -309,10 +316,13 @@ class Router:
             priority=request.priority,
             block_hashes=tuple(block_hash_chain(prompt, self.tokens_per_block)),
             events=asyncio.Queue(maxsize=self.config.admission.max_buffered_events),
+            admitted_s=now,
         )
         self._requests[request_id] = state
         if client_id is not None:
             self._by_client_id[client_id] = request_id
+        if self.metrics is not None:
+            self.metrics.in_flight.set(len(self._requests))
         await self._place(state, exclude=frozenset())
         return _Handle(state)
 
@@ -542,6 +552,7 @@ class Router:
     async def _declare_dead(self, instance: _Instance, reason: str) -> None:
         instance.dead = True
         instance.health = InstanceHealthView.UNHEALTHY
+        self._observe_instance(instance)
         self._prefix.remove_instance(instance.instance_id)
         logger.error("instance %s declared dead: %s", instance.instance_id, reason)
         for engine_id in sorted(instance.attempts):
@@ -577,6 +588,7 @@ class Router:
         instance.last_ok_s = now
         if batch.load is not None:
             instance.load = batch.load
+            self._observe_instance(instance)
             instance.last_report_wall_s = self._wall(now)
             instance.poll_sequence = batch.sequence
             self._prefix.apply(self._prefix_snapshot(instance, batch, reset=restarted))
@@ -588,6 +600,19 @@ class Router:
             await self._on_reservation(instance, reservation)
         for push in batch.push_results:
             await self._on_push(instance, push)
+
+    def _observe_instance(self, instance: _Instance) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        labels = (instance.instance_id, instance.info.role.value)
+        metrics.healthy.labels(*labels).set(1.0 if instance.health is InstanceHealthView.HEALTHY else 0.0)
+        load = instance.load
+        if load is not None and load.total_blocks:
+            metrics.kv_utilization.labels(*labels).set(1.0 - load.free_blocks / load.total_blocks)
+            metrics.queued.labels(*labels).set(load.queued_requests)
+            metrics.running.labels(*labels).set(load.running_requests)
+        metrics.queue_depth.set(sum(1 for r in self._requests.values() if r.timeline.state is GlobalState.QUEUED))
 
     def _prefix_snapshot(self, instance: _Instance, batch: PollBatch, reset: bool) -> InstanceLoad:
         load = batch.load
@@ -625,6 +650,8 @@ class Router:
         elif state == "DISAGG_GENERATION_TRANS_COMPLETE" and attempt.phase is Phase.GENERATION:
             if current is GlobalState.TRANSMISSION:
                 self.transfers["committed"] += 1
+                if self.metrics is not None:
+                    self.metrics.transfers.labels("committed").inc()
                 self._transition(request, GlobalState.GENERATING, instance.instance_id, "KV received and verified")
         self._check_consistency(request, attempt, instance, state)
 
@@ -734,6 +761,8 @@ class Router:
         self._transition(request, GlobalState.TRANSMISSION, instance.instance_id, f"pushing {notice.num_blocks} blocks")
         source = self._instances[prefill.instance_id]
         self.transfers["started"] += 1
+        if self.metrics is not None:
+            self.metrics.transfers.labels("started").inc()
         try:
             await source.client.push(
                 prefill.engine_id, instance.info.transfer_address, notice.transfer_id, self.config.timeouts.transfer_s, attempt.engine_id
@@ -743,6 +772,12 @@ class Router:
             await self._on_transfer_failure(request, attempt, f"{prefill.instance_id} unavailable: {error}", kv_survives=False)
 
     async def _on_push(self, instance: _Instance, push: PushResult) -> None:
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.inc(push.bytes_sent)
+            self.metrics.transfer_seconds.observe(push.elapsed_s)
+            if not push.ok:
+                self.metrics.transfers.labels("failed").inc()
+                self.metrics.transfer_failures.labels(push.reason or "UNKNOWN").inc()
         attempt = self._live_attempt(instance, push.request_id)
         if attempt is None or attempt.phase is not Phase.PREFILL or push.ok:
             if push.ok:
@@ -792,6 +827,8 @@ class Router:
         action = self.config.recovery.next_action(dict(request.recovery), frozenset(applicable))
         request.recovery[action] += 1
         self.recovery_actions[action] += 1
+        if self.metrics is not None:
+            self.metrics.recovery.labels(action.value).inc()
         logger.warning("request %s: %s -> %s", request.request_id, reason, action.value)
         request.error = reason
         if action is RecoveryAction.RETRY_TRANSFER:
@@ -877,6 +914,7 @@ class Router:
         )
         request.final = final
         self._outcomes[outcome.value if error_kind is None else f"{outcome.value}:{error_kind.value}"] += 1
+        self._observe_end(request, final)
         self._requests.pop(request.request_id, None)
         if request.client_request_id is not None and self._by_client_id.get(request.client_request_id) == request.request_id:
             # A client's name is unique among its live requests only (client.proto): free it. The
@@ -890,9 +928,33 @@ class Router:
             request.events.get_nowait()
         request.events.put_nowait(final)
 
+    def _observe_end(self, request: _Request, final: FinalEvent) -> None:
+        if self.timeline_log is not None:
+            try:
+                self.timeline_log.write(request.request_id, request.client_request_id, final)
+            except OSError as error:
+                logger.warning("timeline log: %s", error)
+        metrics = self.metrics
+        if metrics is None:
+            return
+        now = self._clock()
+        metrics.requests.labels(final.outcome.value, final.error_kind.value if final.error_kind else "OK").inc()
+        metrics.e2e.observe(now - request.admitted_s)
+        produced = len(request.outputs)
+        if request.first_token_s is not None and produced > 1:
+            metrics.tpot.observe((now - request.first_token_s) / (produced - 1))
+        entries = request.timeline.entries
+        for entry, following in zip(entries, entries[1:], strict=False):
+            metrics.state_seconds.labels(entry.state.name).observe(following.timestamp_s - entry.timestamp_s)
+        metrics.in_flight.set(len(self._requests))
+
     def _emit(self, request: _Request, event: TokenEvent) -> None:
         if request.ended:
             return
+        if request.first_token_s is None and event.token_ids:
+            request.first_token_s = self._clock()
+            if self.metrics is not None:
+                self.metrics.ttft.observe(request.first_token_s - request.admitted_s)
         if request.events.full():
             asyncio.get_running_loop().create_task(
                 self._end(request, Outcome.ABORTED, "abort", None, ErrorKind.CANCELLED, "the client stopped reading its stream")

@@ -42,6 +42,9 @@ class ServingCluster:
         self.router: Router | None = None
         self.frontend = None
         self.target = ""
+        self.metrics = None
+        self.metrics_port: int | None = None
+        self.timeline_log = None
         self._stop = asyncio.Event()
 
     async def __aenter__(self) -> ServingCluster:
@@ -64,6 +67,17 @@ class ServingCluster:
             await self.shutdown()
             raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})")
         first = infos[0]
+        from cluster.metrics import RouterMetrics, TimelineLog
+
+        self.metrics = RouterMetrics()
+        if config.frontend.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.serve(config.frontend.host, config.frontend.metrics_port)
+            except OSError as error:
+                # Serving goes on without /metrics rather than not at all; say so loudly.
+                logger.error("cannot serve metrics on %s:%s: %s", config.frontend.host, config.frontend.metrics_port, error)
+        if config.frontend.timeline_log:
+            self.timeline_log = TimelineLog(config.frontend.timeline_log)
         self.router = Router(
             config.router,
             load_tokenizer(config.model),
@@ -71,6 +85,8 @@ class ServingCluster:
             max_seq_len=min(info.max_seq_len for info in infos),
             tokens_per_block=first.layout.tokens_per_block,
             seed=config.seed,
+            metrics=self.metrics,
+            timeline_log=self.timeline_log,
         )
         await self.router.start()
         for client in clients:
@@ -123,6 +139,12 @@ class ServingCluster:
         if self.router is not None:
             await self.router.stop()
             self.router = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.timeline_log is not None:
+            self.timeline_log.close()
+            self.timeline_log = None
         await asyncio.to_thread(self.deployment.stop)
 
 

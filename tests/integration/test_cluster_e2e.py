@@ -44,7 +44,7 @@ def config(**overrides) -> ClusterConfig:
         ],
         "engine": {"num_blocks": 512, "tokens_per_block": 16, "chunk_unit_tokens": 16, "max_num_tokens": 64},
         "router": {"health": FAST_HEALTH, "timeouts": TIMEOUTS},
-        "frontend": {"port": 0},
+        "frontend": {"port": 0, "metrics_port": 0},
         "seed": 1,
     }
     data.update(overrides)
@@ -209,3 +209,27 @@ def test_kv_aware_placement_beats_round_robin_on_prefix_hits(ray_cluster) -> Non
         finally:
             harness.stop()
     assert cached["kv_aware"] > cached["round_robin"], cached
+
+
+def test_metrics_and_timeline_log(ray_cluster, tmp_path) -> None:
+    import json
+    import urllib.request
+
+    log = tmp_path / "timelines.jsonl"
+    harness = ClusterHarness(config(frontend={"port": 0, "metrics_port": 0, "timeline_log": str(log)})).start()
+    try:
+        with harness.client(timeout_s=60) as client:
+            for index in range(3):
+                client.complete(PROMPTS[index], max_tokens=6, temperature=0.0, ignore_eos=True, client_request_id=f"m-{index}")
+        port = harness.cluster.metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        harness.stop()
+    assert 'duet_requests_total{outcome="COMPLETE",status="OK"} 3.0' in text
+    assert "duet_ttft_seconds_count 3.0" in text and "duet_tpot_seconds_count 3.0" in text
+    assert 'duet_transfers_total{result="committed"} 3.0' in text
+    assert 'duet_state_seconds_count{state="TRANSMISSION"} 3.0' in text
+    assert 'duet_instance_kv_utilization{instance="prefill-0",role="PREFILL"}' in text
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["client_request_id"] for r in records] == ["m-0", "m-1", "m-2"]
+    assert records[0]["timeline"][-1]["state"] == "COMPLETE" and records[0]["usage"]["completion_tokens"] == 6
