@@ -115,7 +115,7 @@ class _ReuseNode:
 class KvSequence:
     """The blocks of one request. Full context blocks are shared by every beam; the rest is per beam."""
 
-    __slots__ = ("request_id", "beam_blocks", "num_tokens", "lora_task_id", "total_blocks_per_beam")
+    __slots__ = ("request_id", "beam_blocks", "num_tokens", "lora_task_id", "total_blocks_per_beam", "released")
 
     def __init__(
         self,
@@ -134,6 +134,7 @@ class KvSequence:
         # (total_blocks_per_beam - allocated) * beam width, computed inline on the hot path.
         # 0 means "use the general formula".
         self.total_blocks_per_beam = total_blocks_per_beam
+        self.released = False  # set by remove_sequence: a request's cached reference is then stale
 
     def distinct_blocks(self) -> list[int]:
         if len(self.beam_blocks) == 1:
@@ -380,9 +381,10 @@ class BlockManager:
             and cfg.temporary_attention_window == 0
             and total_len <= cfg.max_attention_window
         )
-        self._sequences[request_id] = KvSequence(
-            request_id, beam_blocks, length, request.lora_task_id, _ceil_div(total_len, tpb) if simple else 0
-        )
+        sequence = KvSequence(request_id, beam_blocks, length, request.lora_task_id, _ceil_div(total_len, tpb) if simple else 0)
+        self._sequences[request_id] = sequence
+        if not cfg.is_cross_attention:
+            request.kv_sequence = sequence
         self.num_reused_blocks += len(matched)
         reused_tokens = len(matched) * tpb
         if reused_tokens:
@@ -434,10 +436,16 @@ class BlockManager:
             parent = node
         return created
 
-    def remove_sequence(self, request_id: Hashable) -> None:
+    def remove_sequence(self, request_id: Hashable, request: LlmRequest | None = None) -> None:
+        """Release the sequence's blocks. The sequence is marked released, so a request's cached
+        reference to it (`LlmRequest.kv_sequence`) is never trusted afterwards; pass the request to
+        clear that reference too."""
         sequence = self._sequences.pop(request_id, None)
         if sequence is None:
             raise BlockAccountingError(f"no KV sequence for request {request_id!r}")
+        sequence.released = True
+        if request is not None and request.kv_sequence is sequence:
+            request.kv_sequence = None
         # Release the tail first so that leaves of the reuse tree are evicted before their parents.
         for block in reversed(sequence.distinct_blocks()):
             self._release(block)

@@ -169,29 +169,33 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         pending_disagg: list[LlmRequest] = []
         pending: list[LlmRequest] = []
         remaining = kv.remaining_blocks_to_completion
-        sequences = kv.sequences
         # Hot path: a plain generating request (no cross pool, no LoRA, beam width 1) whose
         # sequence has the simple remaining-blocks form; everything else takes the general path.
         fast = self.use_hot_paths and cross is None and until <= _GEN_IN_PROGRESS < after
 
+        append = scheduled.append
+        num_scheduled = 0
         for request in active:
             state = request.state
-            if fast and state is _GEN_IN_PROGRESS and request.lora_task_id is None and request.beam_width == 1:
-                if len(scheduled) >= limit:
+            if fast and state is _GEN_IN_PROGRESS and request.is_plain:
+                if num_scheduled >= limit:
                     break
-                scheduled.append(request)
-                sequence = sequences.get(request.request_id)
-                if sequence is not None and sequence.total_blocks_per_beam:
+                append(request)
+                num_scheduled += 1
+                sequence = request.kv_sequence
+                if sequence is not None and sequence.total_blocks_per_beam and not sequence.released:
                     available -= sequence.total_blocks_per_beam - len(sequence.beam_blocks[0])
                 else:
                     available -= remaining(request)
                 continue
+            num_scheduled = len(scheduled)
             if not (until <= state < after) and state is not _GEN_INIT:
                 continue
             if len(scheduled) >= limit:
                 break
             if state in _GENERATION_STATES:
                 scheduled.append(request)
+                num_scheduled += 1
                 available -= remaining(request)
                 if cross is not None:
                     cross_available -= cross.remaining_blocks_to_completion(request)
@@ -284,7 +288,6 @@ class MaxUtilizationScheduler(CapacityScheduler):
         max_pages = peft.max_device_pages if peft is not None else _UNLIMITED_PAGES
         skipper = _PrefixSkipper(kv, active) if self.skipping else None
         needed = kv.needed_blocks_one_step
-        sequences = kv.sequences
         tpb = kv.tokens_per_block
         max_token_num = kv.config.max_token_num
         # Hot path: a plain generating request (no cross pool, no LoRA, beam width 1, no draft
@@ -305,16 +308,10 @@ class MaxUtilizationScheduler(CapacityScheduler):
         while index < end:
             request = active[index]
             state = request.state
-            if (
-                fast
-                and state is _GEN_IN_PROGRESS
-                and request.lora_task_id is None
-                and request.beam_width == 1
-                and not request.draft_tokens
-            ):
+            if fast and state is _GEN_IN_PROGRESS and request.is_plain and not request.draft_tokens:
                 if len(scheduled) < limit:
-                    sequence = sequences.get(request.request_id)
-                    if sequence is not None:
+                    sequence = request.kv_sequence
+                    if sequence is not None and not sequence.released:
                         current = sequence.num_tokens
                         need = (
                             1

@@ -77,25 +77,23 @@ class MicroBatchScheduler:
         beam_width = 0
         has_lora = False
         gen_in_window = self.use_hot_paths and until <= _GEN_IN_PROGRESS < after
+        token_limit = max_num_tokens if max_num_tokens is not None else float("inf")
+        append_generation = generation.append
         for request in requests:
             state = request.state
-            if state is _GEN_IN_PROGRESS and gen_in_window:
-                # Hot path (the common case): the general generation branch below, minus its
-                # window and state dispatch.
+            if state is _GEN_IN_PROGRESS and gen_in_window and request.is_plain and not request.draft_tokens:
+                # Hot path (the common case): the general generation branch below for a request
+                # of one beam, no LoRA task and no draft tokens (cost 1).
                 if inflight_ids and request.request_id in inflight_ids:
                     continue
-                width = request.beam_width_by_iter
-                cost = width + len(request.draft_tokens)
-                if max_num_tokens is not None and batch_tokens + cost > max_num_tokens:
+                if batch_tokens >= token_limit:
                     break
-                if beam_width == 0:
-                    beam_width = width
-                elif width != beam_width:
-                    continue
-                generation.append(request)
-                batch_tokens += cost
-                if request.lora_task_id is not None:
-                    has_lora = True
+                if beam_width != 1:
+                    if beam_width:
+                        continue  # the batch already has another beam width
+                    beam_width = 1
+                append_generation(request)
+                batch_tokens += 1
                 num_requests += 1
                 if num_requests >= max_batch_size:
                     break

@@ -50,6 +50,8 @@ class LlmRequest:
         "decoding_iter",
         "num_pauses",
         "block_keys",
+        "is_plain",
+        "kv_sequence",
     )
 
     def __init__(
@@ -112,6 +114,11 @@ class LlmRequest:
         # Cached (lora, tuple-of-block-tokens) keys of the prompt's full blocks, filled lazily by the
         # block manager; reset whenever the prompt changes (pause).
         self.block_keys: list[tuple[int, ...]] | None = None
+        # No LoRA task and one beam: the schedulers' hot paths handle such requests inline.
+        self.is_plain = lora_task_id is None and beam_width == 1
+        # The self-attention KV sequence while it has one (set and cleared by the block manager;
+        # read by the schedulers' hot paths instead of a lookup by id).
+        self.kv_sequence = None
         if context_chunk_size is not None:
             self.set_context_chunk_size(context_chunk_size)
 
