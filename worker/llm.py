@@ -94,7 +94,15 @@ class LLM:
             request_id = f"llm-{self._counter}"
             self._counter += 1
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.engine.add_request(SubmitRequest(request_id, tuple(ids), params))
+            try:
+                self.engine.add_request(SubmitRequest(request_id, tuple(ids), params))
+            except Exception:
+                # All or nothing: what this call queued already must not run on unseen.
+                for queued in request_ids:
+                    self.engine.abort(queued, "another prompt of the same call was refused")
+                while self.engine.has_work():
+                    self.engine.step()
+                raise
             request_ids.append(request_id)
             texts[request_id] = prompt if isinstance(prompt, str) else None
             prompt_ids[request_id] = ids
