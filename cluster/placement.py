@@ -261,10 +261,12 @@ class KvAware:
         prompt_blocks = _blocks(request.prompt_tokens, tokens_per_block)
         uncached = max(prompt_blocks - cached, 0)
         active_prefill = load.queued_prompt_blocks
-        held_tokens = request.prompt_tokens
-        if load.role is not InstanceRole.PREFILL:
-            held_tokens += request.expected_decode_tokens
-        decode = load.used_blocks + _blocks(held_tokens, tokens_per_block)
+        if load.role is InstanceRole.PREFILL:
+            # A prefill instance decodes nothing: what it holds is KV waiting to be handed over,
+            # soon freed. Only charge memory when the prompt would not fit right now.
+            decode = 0 if load.free_blocks >= prompt_blocks else prompt_blocks
+        else:
+            decode = load.used_blocks + _blocks(request.prompt_tokens + request.expected_decode_tokens, tokens_per_block)
         cost = self._params.prefill_weight * max(uncached + active_prefill, 0) + decode
         return KvCost(uncached, active_prefill, decode, cost)
 

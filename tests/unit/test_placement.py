@@ -144,10 +144,13 @@ def test_kv_aware_cost_terms():
     assert cost.cost == 2.0 * (2 + 3) + 313
 
 
-def test_kv_aware_prefill_instance_does_not_hold_decode_tokens():
+def test_kv_aware_prefill_instance_is_charged_compute_not_memory():
+    # A prefill instance decodes nothing and hands its KV over: its cost is the prefill work
+    # (uncached + queued prompt blocks); memory counts only when the prompt does not fit now.
     policy = KvAware()
     req = request(prompt_tokens=160, decode_tokens=480)
-    assert policy.cost(req, load("p", InstanceRole.PREFILL), 0).decode_blocks == 10
+    assert policy.cost(req, load("p", InstanceRole.PREFILL), 0).decode_blocks == 0
+    assert policy.cost(req, load("p", InstanceRole.PREFILL, free=5), 0).decode_blocks == 10
     assert policy.cost(req, load("g", InstanceRole.GENERATION), 0).decode_blocks == 40
 
 
@@ -315,9 +318,9 @@ def test_placer_disaggregated_plan_uses_each_hop_policy():
     assert plan.generation.instance_id == "g1"  # freeness 400
     assert plan.generation.policy == "least_loaded"
     assert set(plan.generation.scores) == {"g0", "g1", "m0"}
-    assert plan.context.instance_id == "p0"  # cost 0 + 55 + 10 = 65 beats p1's 10 + 50 + 10 = 70
+    assert plan.context.instance_id == "p0"  # 0 uncached blocks beat p1's 10 (memory is no issue)
     assert plan.context.policy == "kv_aware"
-    assert dict(plan.context.scores) == {"p0": 65.0, "p1": 70.0}
+    assert dict(plan.context.scores) == {"p0": 0.0, "p1": 10.0}
     assert plan.fallback is None
     assert plan.decision.reason is DisaggReason.ALWAYS
 

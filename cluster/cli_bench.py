@@ -1,0 +1,421 @@
+"""`duet bench`: load a cluster through the gRPC client API and measure it as vLLM's `bench serve` does.
+
+    duet bench --quick                                   # an embedded 1 PREFILL + 1 GENERATION cluster
+    duet bench --target 10.0.0.5:50051 --workload shared-prefix --rate 1 2 4 8 --slo-ttft-ms 500
+    duet bench --mixed 2 --workload multi-turn --turns 4 --concurrency 4 --out results/
+    duet bench --target HOST:PORT --workload sharegpt --dataset ShareGPT_V3.json --num-requests 500
+
+Without --target it starts an embedded cluster (the `duet serve` flags: --config, --prefill,
+--generation, --mixed, --model, ...) on a free port and stops it afterwards. Several --rate (or
+--concurrency) values are a sweep: one table row per value; each point draws its workload with
+seed + its position, so no point hits prefix-cache entries another one left. Requests are greedy with
+ignore_eos unless told otherwise, so output lengths are the workload's. Writes results.json
+(settings, metrics per point, every request's timings) and PNG plots to --out (default
+./bench-results/<timestamp>); the last stdout line is the DESIGN.md §8 JSON envelope.
+`add_bench(subparsers)` adds the subcommand to the `duet` parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - the CLI imports these lazily, when the command runs
+    from cluster.deploy_config import ClusterConfig
+    from cluster.loadgen.arrivals import Arrivals
+    from cluster.loadgen.metrics import Slo
+    from cluster.loadgen.runner import PointResult, SamplingSpec
+    from cluster.loadgen.workloads import SharegptPair, WorkloadConfig
+
+logger = logging.getLogger(__name__)
+
+BENCH_NAME = "duet_bench"
+TOKEN_ENV = "DUET_TOKEN"
+
+# Defaults for a full run, and for --quick (a few seconds of load, for CI smoke tests).
+DEFAULTS = {
+    "workload": "fixed", "input_len": 128, "output_len": 64, "num_requests": 100, "warmup": 4,
+    "num_prefixes": 4, "prefix_len": 256, "suffixes_per_prefix": 8, "turns": 4, "rates": [math.inf],
+}
+QUICK_DEFAULTS = {
+    "workload": "fixed", "input_len": 64, "output_len": 16, "num_requests": 12, "warmup": 2,
+    "num_prefixes": 2, "prefix_len": 64, "suffixes_per_prefix": 4, "turns": 2, "rates": [4.0, 16.0],
+}
+
+
+def add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="load the cluster and report TTFT / TPOT / ITL / throughput / goodput (vLLM's definitions)",
+        description="Load a cluster through the gRPC client API (--target) or an embedded one started here; "
+        "Poisson arrivals at --rate R (a sweep with several) or --concurrency C; prints a table per rate, "
+        "writes results.json and PNG plots to --out, and ends stdout with the JSON envelope.",
+    )
+    target = parser.add_argument_group("cluster (a running one, or an embedded one started here)")
+    target.add_argument("--target", default=None, metavar="HOST:PORT", help="a running front end (default: embedded)")
+    target.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV} if set)")
+    target.add_argument("--tls-ca", default=None, metavar="FILE", help="use TLS; verify the front end with this CA")
+    target.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate for mutual TLS")
+    target.add_argument("--tls-key", default=None, metavar="FILE", help="client key for mutual TLS")
+    target.add_argument("--config", metavar="FILE", help="embedded: cluster configuration (YAML)")
+    target.add_argument("--address", default=None, metavar="ADDR", help="embedded: the Ray cluster to deploy on")
+    target.add_argument("--model", default=None, metavar="DIR", help="embedded: a local Hugging Face checkpoint")
+    target.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    target.add_argument("--device", default=None, metavar="DEV", help="embedded: auto, cpu or cuda")
+    for role in ("prefill", "generation", "mixed"):
+        target.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"embedded: {role.upper()} instances")
+
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt"), default=None)
+    workload.add_argument("--dataset", default=None, metavar="FILE", help="a ShareGPT-format JSON file (--workload sharegpt)")
+    workload.add_argument("--input-len", type=int, default=None, metavar="N",
+                          help="prompt tokens (mean for lognormal; suffix for shared-prefix; per turn for multi-turn)")
+    workload.add_argument("--output-len", type=int, default=None, metavar="N", help="output tokens (mean for lognormal)")
+    workload.add_argument("--lognormal-sigma", type=float, default=0.5, metavar="S", help="sigma of log-normal lengths")
+    workload.add_argument("--num-prefixes", type=int, default=None, metavar="N", help="shared-prefix: prefixes")
+    workload.add_argument("--prefix-len", type=int, default=None, metavar="N", help="shared-prefix: prefix tokens")
+    workload.add_argument("--suffixes-per-prefix", type=int, default=None, metavar="M", help="shared-prefix: requests per prefix")
+    workload.add_argument("--turns", type=int, default=None, metavar="T", help="multi-turn: turns per conversation")
+    workload.add_argument("--sharegpt-bytes-per-token", type=float, default=4.0, metavar="B",
+                          help="sharegpt: UTF-8 bytes per token to estimate lengths (1 for the built-in byte model)")
+    workload.add_argument("--num-requests", type=int, default=None, metavar="N",
+                          help="requests per point (shared-prefix sends prefixes x suffixes)")
+
+    load = parser.add_argument_group("load")
+    shape = load.add_mutually_exclusive_group()
+    shape.add_argument("--rate", type=float, nargs="+", default=None, metavar="R",
+                       help="Poisson request rates per second (inf: all at once); several = a sweep")
+    shape.add_argument("--concurrency", type=int, nargs="+", default=None, metavar="C",
+                       help="requests kept in flight instead of a rate; several = a sweep")
+    load.add_argument("--burstiness", type=float, default=None, metavar="B", help="gamma shape: 1 Poisson (default), <1 burstier")
+    load.add_argument("--warmup", type=int, default=None, metavar="N", help="unmeasured requests sent first")
+    load.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy (default)")
+    load.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                      help="generate exactly the workload's output length (default on)")
+    load.add_argument("--request-timeout", type=float, default=300.0, metavar="S", help="each request's deadline")
+    load.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS", help="goodput: TTFT objective")
+    load.add_argument("--slo-tpot-ms", type=float, default=None, metavar="MS", help="goodput: TPOT objective")
+    load.add_argument("--slo-e2e-ms", type=float, default=None, metavar="MS", help="goodput: end-to-end objective")
+    load.add_argument("--seed", type=int, default=0, metavar="S", help="seeds workloads and arrival times")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None, metavar="DIR", help="results.json and plots (default ./bench-results/<time>)")
+    output.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    output.add_argument("--quick", action="store_true", help="a few seconds of load (CI smoke test)")
+    output.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.set_defaults(handler=run_bench)
+
+
+# ---- turning flags into typed settings --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+    workload: WorkloadConfig
+    points: tuple[Arrivals, ...]  # one per sweep point
+    slo: Slo
+    sampling: SamplingSpec
+    warmup: int
+    seed: int
+    out_dir: Path
+    plots: bool
+    progress: bool
+
+    def describe(self) -> dict[str, Any]:
+        workload = dataclasses.asdict(self.workload)
+        workload["kind"] = self.workload.kind.value
+        return {
+            "workload": workload,
+            "points": [dataclasses.asdict(p) | {"label": p.label} for p in self.points],
+            "slo": dataclasses.asdict(self.slo),
+            "sampling": dataclasses.asdict(self.sampling),
+            "warmup": self.warmup,
+            "seed": self.seed,
+        }
+
+
+def _pick(args: argparse.Namespace, name: str) -> Any:
+    value = getattr(args, name, None)
+    if value is not None:
+        return value
+    return (QUICK_DEFAULTS if args.quick else DEFAULTS)[name]
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    """Validated settings; raises CliError (exit 2) naming the bad flag."""
+    from cluster.cli import EXIT_USAGE, CliError
+    from cluster.loadgen.arrivals import ArrivalError, FixedConcurrency, PoissonArrivals
+    from cluster.loadgen.metrics import Slo, SloError
+    from cluster.loadgen.runner import SamplingSpec
+    from cluster.loadgen.workloads import WorkloadConfig, WorkloadError, WorkloadKind
+
+    kind = WorkloadKind(_pick(args, "workload"))
+    if args.dataset is not None and kind is not WorkloadKind.SHAREGPT:
+        raise CliError("--dataset: only the sharegpt workload reads a dataset (add --workload sharegpt)", EXIT_USAGE)
+    num_prefixes, suffixes = _pick(args, "num_prefixes"), _pick(args, "suffixes_per_prefix")
+    if kind is WorkloadKind.SHARED_PREFIX and args.num_requests is not None and args.num_requests != num_prefixes * suffixes:
+        raise CliError(
+            f"--num-requests: the shared-prefix workload sends --num-prefixes x --suffixes-per-prefix = "
+            f"{num_prefixes * suffixes} requests; leave --num-requests out or change those",
+            EXIT_USAGE,
+        )
+    if args.concurrency is not None and args.burstiness is not None:
+        raise CliError("--burstiness: shapes --rate arrivals; it has no effect with --concurrency", EXIT_USAGE)
+    if args.warmup is not None and args.warmup < 0:
+        raise CliError("--warmup: must be >= 0", EXIT_USAGE)
+    try:
+        workload = WorkloadConfig(
+            kind=kind,
+            num_requests=_pick(args, "num_requests"),
+            input_len=_pick(args, "input_len"),
+            output_len=_pick(args, "output_len"),
+            lognormal_sigma=args.lognormal_sigma,
+            num_prefixes=num_prefixes,
+            prefix_len=_pick(args, "prefix_len"),
+            suffixes_per_prefix=suffixes,
+            turns=_pick(args, "turns"),
+            dataset_path=args.dataset,
+            sharegpt_bytes_per_token=args.sharegpt_bytes_per_token,
+        )
+        if args.concurrency is not None:
+            points: tuple[Arrivals, ...] = tuple(FixedConcurrency(c) for c in args.concurrency)
+        else:
+            rates = args.rate if args.rate is not None else _pick(args, "rates")
+            burstiness = args.burstiness if args.burstiness is not None else 1.0
+            points = tuple(PoissonArrivals(rate, burstiness) for rate in rates)
+        slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    except WorkloadError as error:
+        flag = "--dataset" if error.field.startswith("dataset") else f"--{error.field.replace('_', '-')}"
+        raise CliError(f"{flag}: {error.message}", EXIT_USAGE) from None
+    except ArrivalError as error:
+        flag = {"rate_per_s": "--rate", "burstiness": "--burstiness", "concurrency": "--concurrency"}.get(error.field, error.field)
+        raise CliError(f"{flag}: {error.message}", EXIT_USAGE) from None
+    except SloError as error:
+        raise CliError(f"--slo-{error.field.removesuffix('_ms')}-ms: {error.message}", EXIT_USAGE) from None
+    if not args.request_timeout > 0:
+        raise CliError("--request-timeout: must be a positive number of seconds", EXIT_USAGE)
+    out_dir = Path(args.out) if args.out else Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    return BenchSettings(
+        workload=workload,
+        points=points,
+        slo=slo,
+        sampling=SamplingSpec(temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout),
+        warmup=_pick(args, "warmup"),
+        seed=args.seed,
+        out_dir=out_dir,
+        plots=not args.no_plots,
+        progress=not args.no_progress,
+    )
+
+
+# ---- running ----------------------------------------------------------------------------------
+
+
+def _client_options(args: argparse.Namespace) -> dict[str, Any]:
+    from cluster.cli import EXIT_USAGE, CliError
+    from cluster.client import ClientConfigError, ClientTls
+
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        try:
+            tls = ClientTls(
+                root_certificates_pem=_read(args.tls_ca, "--tls-ca"),
+                certificate_chain_pem=_read(args.tls_cert, "--tls-cert"),
+                private_key_pem=_read(args.tls_key, "--tls-key"),
+            )
+        except ClientConfigError as error:
+            raise CliError(f"TLS settings: {error}", EXIT_USAGE) from None
+    return {"token": token, "tls": tls}
+
+
+def _read(path: str | None, option: str) -> bytes | None:
+    from cluster.cli import EXIT_USAGE, CliError
+
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise CliError(f"{option}: cannot read {path}: {error.strerror}", EXIT_USAGE) from None
+
+
+async def run_points(
+    target: str, client_options: dict[str, Any], settings: BenchSettings, dataset: Sequence[SharegptPair] | None
+) -> list[PointResult]:
+    """Warm up, then measure every sweep point in turn; returns their PointResults."""
+    from cluster.cli import rpc_failure
+    from cluster.client import AsyncDuetClient, DuetError
+    from cluster.loadgen.runner import LoadRunner, measure_point
+    from cluster.loadgen.workloads import WARMUP_SEED_OFFSET, build_workload, warmup_config
+
+    results = []
+    async with AsyncDuetClient(target, **client_options) as client:
+        try:
+            if not await client.health():
+                logger.warning("the front end at %s reports NOT_SERVING", target)
+        except DuetError as error:
+            raise rpc_failure(error, target) from None
+        runner = LoadRunner(client, settings.sampling)
+        if settings.warmup:
+            warm = build_workload(warmup_config(settings.workload, settings.warmup), settings.seed + WARMUP_SEED_OFFSET, dataset)
+            _progress(settings, f"warm-up: {len(warm)} requests")
+            records = await runner.warmup(warm)
+            failed = [r for r in records if not r.ok]
+            if failed:
+                logger.warning("warm-up: %d of %d requests failed (first: %s)", len(failed), len(records), failed[0].error)
+        for position, point in enumerate(settings.points):
+            seed = settings.seed + position
+            requests = build_workload(settings.workload, seed, dataset)
+            bar = _bar(settings, len(requests), point.label)
+            runner = LoadRunner(client, settings.sampling, on_done=lambda _record, bar=bar: bar.update(1))
+            try:
+                result = await measure_point(runner, requests, point, seed=seed, slo=settings.slo)
+            finally:
+                bar.close()
+            results.append(result)
+            m = result.metrics
+            _progress(
+                settings,
+                f"{point.label}: {m.completed}/{m.num_requests} done in {m.duration_s:.1f}s, "
+                f"{m.request_throughput_rps:.2f} req/s, {m.output_throughput_tps:.1f} tok/s",
+            )
+    return results
+
+
+def _progress(settings: BenchSettings, message: str) -> None:
+    if settings.progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _bar(settings: BenchSettings, total: int, label: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not settings.progress, leave=False)
+
+
+def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
+    from cluster.cli import load_cluster_config
+
+    config = load_cluster_config(args)
+    # A free port: the bench must not collide with a `duet serve` on the default one.
+    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from cluster.cli import EXIT_CODES, EXIT_USAGE, CliError
+    from cluster.loadgen.workloads import WorkloadError, load_sharegpt
+
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    settings = settings_from_args(args)
+    dataset = None
+    if settings.workload.dataset_path:
+        try:
+            dataset = load_sharegpt(settings.workload.dataset_path)
+        except WorkloadError as error:
+            raise CliError(f"--dataset: {error.message}", EXIT_USAGE) from None
+    embedded_flags = [f for f in ("config", "address", "model", "dtype", "device", "prefill", "generation", "mixed") if getattr(args, f) is not None]
+    if args.target is not None and embedded_flags:
+        raise CliError(f"--{embedded_flags[0]}: configures an embedded cluster; it has no effect with --target", EXIT_USAGE)
+    if args.target is not None:
+        results = asyncio.run(run_points(args.target, _client_options(args), settings, dataset))
+        cluster_description: dict[str, Any] = {"target": args.target}
+    else:
+        from cluster.embedded import BackgroundCluster
+        from cluster.launch import DeploymentError
+
+        config = _embedded_config(args)
+        _progress(settings, "starting an embedded cluster ...")
+        started_s = time.monotonic()
+        try:
+            cluster = BackgroundCluster(config).start()
+        except DeploymentError as error:
+            raise CliError(f"the embedded cluster did not start: {error}", EXIT_CODES["UNAVAILABLE"]) from None
+        try:
+            _progress(settings, f"serving on {cluster.target} ({time.monotonic() - started_s:.1f}s to start)")
+            results = asyncio.run(run_points(cluster.target, {}, settings, dataset))
+        finally:
+            cluster.stop()
+        cluster_description = {
+            "embedded": [
+                {"role": g.role.value, "count": g.count, "num_cpus": g.num_cpus, "torch_threads": g.torch_threads}
+                for g in config.instances
+            ],
+            "dtype": config.dtype,
+            "device": config.device,
+            "model": config.model or "built-in",
+        }
+    write_outputs(settings, results, cluster_description)
+    return 0
+
+
+def write_outputs(settings: BenchSettings, results: Sequence[PointResult], cluster_description: dict[str, Any]) -> None:
+    """Plots, results.json, the table, and the envelope as the very last stdout line."""
+    from cluster.loadgen.report import (
+        TargetValue,
+        envelope,
+        render_detail,
+        render_sweep,
+        results_document,
+        summary_figures,
+        write_json,
+    )
+
+    settings.out_dir.mkdir(parents=True, exist_ok=True)
+    plots: list[str] = []
+    if settings.plots:
+        from cluster.loadgen.plots import PlotsUnavailable, plot_all
+
+        try:
+            plots = [str(path) for path in plot_all(results, settings.out_dir)]
+        except PlotsUnavailable as error:
+            print(f"duet bench: plots skipped: {error}", file=sys.stderr)
+    document = results_document(settings.describe() | {"cluster": cluster_description}, results, plots)
+    results_path = write_json(settings.out_dir / "results.json", document)
+    if len(results) == 1:
+        sys.stdout.write(render_detail(results[0].arrivals.label, results[0].metrics))
+        sys.stdout.write("\n")
+    sys.stdout.write(render_sweep(results))
+    sys.stdout.write(f"\nresults: {results_path}\n")
+    for path in plots:
+        sys.stdout.write(f"plot: {path}\n")
+    total = sum(r.metrics.num_requests for r in results)
+    completed = sum(r.metrics.completed for r in results)
+    figures = {
+        "workload": settings.workload.kind.value,
+        "points": {r.arrivals.label: summary_figures(r.metrics) for r in results},
+        "results": str(results_path),
+    }
+    targets = {"completed_fraction": TargetValue(completed / total if total else 0.0, 1.0, higher_is_better=True)}
+    sys.stdout.write(envelope(BENCH_NAME, figures, targets) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cluster.cli_bench ARGS` = `duet bench ARGS` (before the subcommand is wired into cli.py)."""
+    from cluster.cli import EXIT_INTERRUPTED, CliError, build_parser
+
+    parser = build_parser((add_bench,))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.handler(args)
+    except CliError as error:
+        print(f"duet bench: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""What one request's measurement is, and what vLLM's `bench serve` definitions make of many.
+
+Per request (all times on the client's clock, from when the request was sent):
+- TTFT: to the first token;
+- TPOT: (e2e - TTFT) / (output tokens - 1), for requests with more than one output token;
+- ITL: the gaps between successive token arrivals (a message carrying several tokens is one
+  arrival, as vLLM counts stream chunks);
+- e2e latency: to the end of the stream.
+Over a run: p50/p90/p99 (linear interpolation, numpy's default), request and token throughput over
+the run's duration, goodput = requests per second that meet every SLO given (a request with one
+output token has TPOT 0 for this purpose, as in vLLM), and the prefix-cache hit rate =
+cached prompt tokens / prompt tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class SloError(ValueError):
+    """An SLO that is not a positive number of milliseconds; `field` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as the runner saw it. Times are seconds since the run started."""
+
+    index: int
+    sent_s: float
+    end_s: float
+    chunk_times_s: tuple[float, ...] = ()  # arrival of each message that carried tokens
+    chunk_tokens: tuple[int, ...] = ()  # tokens in each of those messages
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    expected_output_tokens: int = 0
+    scheduled_s: float | None = None  # the arrival process's send time (None: fixed concurrency)
+    conversation: int | None = None
+    turn: int = 0
+    finish_reason: str | None = None
+    instances: tuple[str, ...] = ()  # "phase@instance" in order
+    error: str | None = None  # None: completed
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times_s[0] - self.sent_s if self.chunk_times_s else None
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """None for fewer than two output tokens (vLLM leaves those out of the TPOT distribution)."""
+        ttft = self.ttft_s
+        if ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls_s(self) -> tuple[float, ...]:
+        times = self.chunk_times_s
+        return tuple(later - earlier for earlier, later in zip(times, times[1:], strict=False))
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives in milliseconds; None: not part of goodput."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise SloError(name, f"must be a positive number of milliseconds, got {value!r}")
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
+
+    def met_by(self, record: RequestRecord) -> bool:
+        if not record.ok:
+            return False
+        ttft = record.ttft_s
+        if self.ttft_ms is not None and (ttft is None or ttft * 1000.0 > self.ttft_ms):
+            return False
+        tpot = record.tpot_s if record.tpot_s is not None else 0.0
+        if self.tpot_ms is not None and tpot * 1000.0 > self.tpot_ms:
+            return False
+        return self.e2e_ms is None or record.e2e_s * 1000.0 <= self.e2e_ms
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Summary of one latency, in milliseconds."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    min: float
+    max: float
+
+    @classmethod
+    def of_seconds(cls, values_s: Sequence[float]) -> Distribution | None:
+        if not values_s:
+            return None
+        values_ms = [v * 1000.0 for v in values_s]
+        return cls(
+            count=len(values_ms),
+            mean=sum(values_ms) / len(values_ms),
+            p50=percentile(values_ms, 50),
+            p90=percentile(values_ms, 90),
+            p99=percentile(values_ms, 99),
+            min=min(values_ms),
+            max=max(values_ms),
+        )
+
+
+@dataclass(frozen=True)
+class BenchMetrics:
+    num_requests: int
+    completed: int
+    failed: int
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    request_throughput_rps: float
+    output_throughput_tps: float
+    total_throughput_tps: float
+    prefix_cache_hit_rate: float | None  # None when no prompt token was counted
+    ttft_ms: Distribution | None
+    tpot_ms: Distribution | None
+    itl_ms: Distribution | None
+    e2e_ms: Distribution | None
+    slo: Slo
+    good_requests: int | None  # None without an SLO
+    goodput_rps: float | None
+    # Output tokens that differ from what the workload asked (an early stop, or a server that
+    # ignored ignore_eos): the lengths the metrics rest on are not the workload's.
+    short_outputs: int = 0
+    errors: tuple[tuple[str, int], ...] = ()  # (kind, count), e.g. ("DEADLINE_EXCEEDED", 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["errors"] = dict(self.errors)
+        return data
+
+
+def _error_kind(error: str) -> str:
+    return error.split(":", 1)[0].strip() or "error"
+
+
+def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: Slo = Slo()) -> BenchMetrics:
+    if not duration_s > 0:
+        raise ValueError(f"duration_s must be positive, got {duration_s!r}")
+    done = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    cached_tokens = sum(r.cached_tokens for r in done)
+    good = sum(1 for r in done if slo.met_by(r)) if slo.any else None
+    ttfts = [t for t in (r.ttft_s for r in done) if t is not None]
+    tpots = [t for t in (r.tpot_s for r in done) if t is not None]
+    itls = [gap for r in done for gap in r.itls_s]
+    return BenchMetrics(
+        num_requests=len(records),
+        completed=len(done),
+        failed=len(failed),
+        duration_s=duration_s,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        cached_tokens=cached_tokens,
+        request_throughput_rps=len(done) / duration_s,
+        output_throughput_tps=output_tokens / duration_s,
+        total_throughput_tps=(input_tokens + output_tokens) / duration_s,
+        prefix_cache_hit_rate=cached_tokens / input_tokens if input_tokens else None,
+        ttft_ms=Distribution.of_seconds(ttfts),
+        tpot_ms=Distribution.of_seconds(tpots),
+        itl_ms=Distribution.of_seconds(itls),
+        e2e_ms=Distribution.of_seconds([r.e2e_s for r in done]),
+        slo=slo,
+        good_requests=good,
+        goodput_rps=good / duration_s if good is not None else None,
+        short_outputs=sum(1 for r in done if r.expected_output_tokens and r.output_tokens != r.expected_output_tokens),
+        errors=tuple(sorted(Counter(_error_kind(r.error) for r in failed if r.error is not None).items())),
+    )
