@@ -100,15 +100,20 @@ class PrefixEvent:
 
 
 class _ReuseNode:
-    """A published full block: its token content (within its parent's chain) and its block id."""
+    """A published full block: its token content (within its parent's chain) and its block id.
 
-    __slots__ = ("key", "block_id", "parent", "children", "digest", "__weakref__")
+    Children are keyed by the chain hash of their tokens (an int: cheap to hash, unlike a tuple of
+    tokens); a hit is confirmed by comparing the tokens themselves, so a hash collision can never
+    make one prefix reuse another's KV."""
 
-    def __init__(self, key: tuple[int, ...] | None, block_id: int, parent: _ReuseNode | None) -> None:
+    __slots__ = ("key", "child_key", "block_id", "parent", "children", "digest", "__weakref__")
+
+    def __init__(self, key: tuple[int, ...] | None, child_key: int, block_id: int, parent: _ReuseNode | None) -> None:
         self.key = key
+        self.child_key = child_key
         self.block_id = block_id
         self.parent = parent
-        self.children: dict[tuple[int, ...], _ReuseNode] = {}
+        self.children: dict[int, _ReuseNode] = {}
         self.digest = b""
 
 
@@ -169,6 +174,8 @@ class BlockManager:
         self._sched_free = 0
         self._sched_ref: dict[int, int] = {}
         self._events: list[PrefixEvent] = []
+        self._tree_version = 0  # bumped whenever a node is published or unpublished
+        self._max_token_num = config.max_token_num
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -235,9 +242,10 @@ class BlockManager:
         Free blocks of the subtree become plain free blocks, except `taken`, which the caller is
         about to reuse; held blocks stay with their holders, unpublished.
         """
+        self._tree_version += 1
         parent = node.parent
         if parent is not None and node.key is not None:
-            parent.children.pop(node.key, None)
+            parent.children.pop(node.child_key, None)
         stack = [node]
         while stack:
             current = stack.pop()
@@ -280,21 +288,39 @@ class BlockManager:
             prompt_len = request.prompt_len
             keys = [tuple(tokens[start : start + tpb]) for start in range(0, prompt_len - tpb + 1, tpb)]
             request.block_keys = keys
+            request.block_digests = None
         return keys
 
-    def _walk(self, lora_task_id: int | None, keys: list[tuple[int, ...]], limit: int) -> list[_ReuseNode]:
-        """The published nodes matching the first `limit` keys, from the root, up to the first miss."""
-        root = self._roots.get(lora_task_id)
+    def _digests(self, request: LlmRequest) -> list[int]:
+        digests = request.block_digests
+        if digests is None:
+            digests = []
+            chain = 0
+            for key in self._keys(request):
+                chain = hash((chain, key))  # deterministic for ints; only ever used in-process
+                digests.append(chain)
+            request.block_digests = digests
+        return digests
+
+    def _matched(self, request: LlmRequest) -> list[_ReuseNode]:
+        """The published nodes matching the request's full prompt blocks from the root, up to the
+        first miss; cached on the request until the tree changes."""
+        cached = request.prefix_walk
+        if cached is not None and cached[0] is self and cached[1] == self._tree_version:
+            return cached[2]
         matched: list[_ReuseNode] = []
-        if root is None:
-            return matched
-        children = root.children
-        for index in range(min(limit, len(keys))):
-            node = children.get(keys[index])
-            if node is None:
-                break
-            matched.append(node)
-            children = node.children
+        root = self._roots.get(request.lora_task_id)
+        if root is not None:
+            keys = self._keys(request)
+            digests = self._digests(request)
+            children = root.children
+            for index, digest in enumerate(digests):
+                node = children.get(digest)
+                if node is None or node.key != keys[index]:
+                    break
+                matched.append(node)
+                children = node.children
+        request.prefix_walk = (self, self._tree_version, matched)
         return matched
 
     def count_reusable_blocks(self, request: LlmRequest, only_allocated: bool) -> int:
@@ -305,13 +331,12 @@ class BlockManager:
         """
         if not self.enable_block_reuse:
             return 0
-        keys = self._keys(request)
-        if not keys or request.lora_task_id not in self._roots:
+        if request.lora_task_id not in self._roots:
             return 0
         # Only blocks that add_sequence will really share: the full blocks of the first P-1 tokens.
         # (TensorRT-LLM counts the full blocks of all P tokens here, which over-credits one block
         # when P is a multiple of tokens_per_block, so admission could over-commit the pool.)
-        matched = self._walk(request.lora_task_id, keys, (request.prompt_len - 1) // self.tokens_per_block)
+        matched = self._matched(request)[: (request.prompt_len - 1) // self.tokens_per_block]
         if not only_allocated:
             return len(matched)
         ref = self._ref
@@ -325,14 +350,16 @@ class BlockManager:
         """
         if not self.enable_block_reuse:
             return None
-        keys = self._keys(request)
-        if not keys:
+        digests = self._digests(request)
+        if not digests:
             return None
-        matched = self._walk(request.lora_task_id, keys, len(keys))
-        if len(matched) == len(keys):
+        matched = self._matched(request)
+        if len(matched) == len(digests):
             return None
         parent = matched[-1] if matched else None
-        return (request.lora_task_id, id(parent) if parent is not None else None, keys[len(matched)])
+        # The first missing block's chain hash names the whole prefix through it; the parent's
+        # identity is in it to keep apart equal chains that diverged on an evicted block.
+        return (request.lora_task_id, id(parent) if parent is not None else None, digests[len(matched)])
 
     # --- sequence operations ------------------------------------------------------------------
     def add_sequence(self, request: LlmRequest, num_tokens: int | None = None, *, reuse: bool = True) -> int:
@@ -352,8 +379,7 @@ class BlockManager:
         beam_width = request.beam_width
         matched: list[_ReuseNode] = []
         if self.enable_block_reuse and reuse and num_tokens is None:
-            keys = self._keys(request)
-            matched = self._walk(request.lora_task_id, keys, (length - 1) // tpb)
+            matched = self._matched(request)[: (length - 1) // tpb]
         num_full = length // tpb
         has_partial = length % tpb > 0
         needed_fresh = (num_full - len(matched)) + (beam_width if has_partial else 0)
@@ -405,28 +431,33 @@ class BlockManager:
             return 0
         sequence = self.sequence(request.request_id)
         keys = self._keys(request)
+        digests = self._digests(request)
         count = min((request.prompt_len - 1) // self.tokens_per_block, len(keys))
         blocks = sequence.beam_blocks[0]
         lora = request.lora_task_id
         root = self._roots.get(lora)
         if root is None:
-            root = _ReuseNode(None, -1, None)
+            root = _ReuseNode(None, 0, -1, None)
             root.digest = hashlib.blake2b(_ROOT + _lora_bytes(lora), digest_size=BLOCK_HASH_BYTES).digest()
             self._roots[lora] = root
         parent = root
         created = 0
         for index in range(count):
             key = keys[index]
-            node = parent.children.get(key)
+            digest = digests[index]
+            node = parent.children.get(digest)
+            if node is not None and node.key != key:
+                break  # a chain-hash collision: leave this prefix unpublished
             if node is None:
                 block = blocks[index]
                 if block in self._node_of_block:
                     # This block already stands for other content (cannot happen for prompt blocks
                     # of one request, but never let one block carry two meanings).
                     break
-                node = _ReuseNode(key, block, parent)
-                parent.children[key] = node
+                node = _ReuseNode(key, digest, block, parent)
+                parent.children[digest] = node
                 self._node_of_block[block] = node
+                self._tree_version += 1
                 created += 1
                 if self.config.record_events:
                     node.digest = hashlib.blake2b(
@@ -506,7 +537,7 @@ class BlockManager:
             step = (2 if cfg.two_steps_lookahead else 1) * (len(request.draft_tokens) + 1)
             add = min(step, request.max_new_tokens - generated)
             following = current + add
-            if following > cfg.max_token_num:
+            if following > self._max_token_num:
                 return 0
             return (_ceil_div(following, tpb) - _ceil_div(current, tpb)) * request.beam_width
         is_disagg = state is _GEN_INIT
@@ -519,9 +550,10 @@ class BlockManager:
                 min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
                 + cfg.sink_token_len
             )
-            need = prompt_cache_len // tpb + (request.beam_width if prompt_cache_len % tpb else 0)
-            if self.enable_block_reuse and not is_disagg:
-                reusable = min(self.count_reusable_blocks(request, only_allocated=True), prompt_cache_len // tpb)
+            full_blocks = prompt_cache_len // tpb
+            need = full_blocks + (request.beam_width if prompt_cache_len % tpb else 0)
+            if self.enable_block_reuse and not is_disagg and request.lora_task_id in self._roots:
+                reusable = min(self.count_reusable_blocks(request, only_allocated=True), full_blocks)
                 need -= reusable
                 request.estimated_reusable_tokens = reusable * tpb
             return need
@@ -589,7 +621,7 @@ class BlockManager:
         for block, node in self._node_of_block.items():
             if node.block_id != block:
                 raise BlockAccountingError(f"tree node for block {block} names block {node.block_id}")
-            if node.parent is None or node.parent.children.get(node.key) is not node:
+            if node.parent is None or node.parent.children.get(node.child_key) is not node:
                 raise BlockAccountingError(f"tree node for block {block} is detached from its parent")
 
     def iter_sequences(self) -> Iterable[KvSequence]:

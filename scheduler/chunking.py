@@ -60,6 +60,8 @@ def first_come_first_served(
         want = request.context_remaining_length
         reusable = reusable_tokens(request)
         compute = max(0, want - reusable)
+        if capacity is not None and capacity <= 0 and compute > 0:
+            continue  # nothing left to give: its chunk stays at the 0 the caller reset it to
         chunk = want
         if capacity is not None and compute > capacity:
             chunk = capacity
@@ -108,6 +110,8 @@ def fit_draft_tokens(
     requests: Sequence[LlmRequest], capacity: int | None, unit: int, max_context_length: int | None
 ) -> None:
     """Trim draft tokens of last-chunk requests so they need no extra block and fit the budget."""
+    if not any(request.draft_tokens for request in requests):
+        return  # nothing to trim (the common case)
     used = 0
     for request in requests:
         chunk = request.context_chunk_size

@@ -129,11 +129,13 @@ class MicroBatchScheduler:
                     context.append(request)
                     batch_tokens += cost
                 else:
-                    request.set_context_chunk_size(request.context_remaining_length)
-                    chunk = request.context_chunk_size
-                    cost = max(0, chunk - reusable_tokens(request))
-                    if request.is_last_context_chunk():
-                        cost += len(request.draft_tokens)
+                    # Tentatively the whole remainder (the last chunk): set directly, the state
+                    # is a context state and the value needs no clamp.
+                    position = request.context_current_position
+                    chunk = request.prompt_len - position
+                    request.context_chunk_size = chunk
+                    reusable = request.estimated_reusable_tokens if position == request.prepopulated_prompt_len else 0
+                    cost = max(0, chunk - reusable) + len(request.draft_tokens)
                     if max_context_length is not None and max_context_length < cost:
                         cost = max_context_length
                         all_fit = False

@@ -52,6 +52,8 @@ class LlmRequest:
         "block_keys",
         "is_plain",
         "kv_sequence",
+        "block_digests",
+        "prefix_walk",
     )
 
     def __init__(
@@ -119,6 +121,10 @@ class LlmRequest:
         # The self-attention KV sequence while it has one (set and cleared by the block manager;
         # read by the schedulers' hot paths instead of a lookup by id).
         self.kv_sequence = None
+        # Per-block chain hashes of block_keys (dict keys of the reuse tree; cheap to hash), and
+        # the block manager's last walk of its tree for this prompt, with the tree's version.
+        self.block_digests: list[int] | None = None
+        self.prefix_walk: tuple | None = None
         if context_chunk_size is not None:
             self.set_context_chunk_size(context_chunk_size)
 
@@ -275,3 +281,5 @@ class LlmRequest:
         self.decoding_iter = 0
         self.num_pauses += 1
         self.block_keys = None
+        self.block_digests = None
+        self.prefix_walk = None
