@@ -1,30 +1,44 @@
-"""KV transfer bandwidth: duet's gRPC transport against a raw TCP socket, between the same two
-processes, in one run; plus a single-process memory copy as the physical limit.
+"""KV transfer bandwidth: duet's gRPC transport against a bare gRPC stream and a raw TCP socket,
+between the same two processes, in one run; plus a single-process memory copy and the checksums.
 
     python bench/transfer_bench.py            # 256 MiB, 32 layers x 2 x 16-token blocks x 8 heads x 128 dims, bf16
     python bench/transfer_bench.py --quick    # 32 MiB, fewer repetitions (CI smoke)
 
-Each repetition pushes the whole request once (prepare, chunks with CRC-32 on both sides, commit)
-and, interleaved with it, sends the same bytes over a plain TCP connection (sendall / recv_into
-into a preallocated buffer). The receiver of both is one spawned process (worker/kv_transfer/
-testing.py). Medians are reported. Progress goes to stderr, a table to stdout, and the last stdout
-line is the JSON summary.
+Each repetition moves the whole request three ways, interleaved so that the machine's load hits
+them alike:
+  duet      KvSender.push: prepare, chunks (checksummed on both sides, XXH3-64 unless --checksum
+            crc32), commit, into a MemorySink's buffer in the receiver process.
+  bare gRPC the same bytes as prebuilt messages of the chunk size, over the same number of streams and
+            connections with the same channel options, into a server that only copies each message
+            into a buffer: no framing, no checks, no checksums. The ceiling of any gRPC Python data path.
+  raw TCP   sendall of 4 MiB pieces / recv_into one preallocated buffer (piece size fixed, whatever
+            --chunk-mib says, so that the baseline does not move with the knob under test).
+The receiver of all three is one spawned process (worker/kv_transfer/testing.py). Medians are
+reported, with the range of the per-repetition ratios. Progress goes to stderr, a table to stdout,
+and the last stdout line is the JSON summary.
 
-Knobs (flags) and what they did on the 2-core development machine (noisy: other jobs share it):
-  malloc tuning (default on; --no-tune-malloc): receiver system time about 2.0 -> 0.6 CPU-s/GiB,
-      bandwidth up to about 1.5x; see worker/kv_transfer/malloc_tuning.py.
-  --streams/--connections: 2 over 2 beat 1 over 1 (CRC and copies of two chunks overlap); 4 was
-      worse on 2 cores.
-  --chunk-mib: 4 and 8 within noise; below 1 MiB per-message overhead shows.
-  gRPC HTTP/2 window and frame options (lookahead, BDP probing, max frame size): within noise.
-The remaining cost is CPU: CRC-32 on both sides (zlib here runs at about 2.5-3 GB/s, roughly a
-third of the transport's CPU time) and the copies Python gRPC makes (one on send, two on receive).
+What was measured (2-core development machine shared with other jobs, load average 3-13, medians of
+several runs; ranges in brackets):
+  checksum CRC-32 -> XXH3-64: duet 0.34-0.52 -> 0.81-0.87 GB/s, ratio to raw TCP 0.24-0.44 -> 0.43-0.56.
+      zlib.crc32 runs at 1.3-2.7 GB/s per core here, xxhash's XXH3-64 at 10-14 GB/s; both release
+      the GIL on large buffers.
+  one copy fewer on send: frames are built from the source's (layer, K|V) rows in one join
+      (TransferPartsSource.read_parts) instead of gathering the rows and then joining header + data.
+  what remains is gRPC Python's own cost. The bare gRPC stream reaches only about 0.55-0.75 of raw TCP
+      here: on send it copies every message once more into a gRPC slice (with the GIL held), on
+      receive it copies each message out of its slices into bytes objects and joins them, all in
+      the server's one completion-queue thread, with the GIL held. duet reaches about 0.8-0.9 of
+      the bare stream; the rest is the one unavoidable write into the target, the checksums, and
+      the sender's frame copy.
+  --streams/--connections: 2 over 2 is the default; see the report in the final summary of
+      the change for the sweep. --chunk-mib: 1-4 within noise; below 1 MiB per-message overhead shows.
+  malloc tuning (default on; --no-tune-malloc): receiver system time about 2.0 -> 0.6 CPU-s/GiB
+      (worker/kv_transfer/malloc_tuning.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import socket
 import statistics
@@ -35,25 +49,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import grpc  # noqa: E402
+import xxhash  # noqa: E402
+
+from bench._common import Target, emit_result, print_table, progress  # noqa: E402
 from worker.kv_layout import KvLayout  # noqa: E402
 from worker.kv_transfer.buffers import LinearKvBuffer  # noqa: E402
-from worker.kv_transfer.config import MIB, SenderConfig  # noqa: E402
+from worker.kv_transfer.config import MIB, SenderConfig, grpc_options  # noqa: E402
 from worker.kv_transfer.ids import new_transfer_id  # noqa: E402
 from worker.kv_transfer.malloc_tuning import tune_malloc_for_transfers  # noqa: E402
 from worker.kv_transfer.sender import KvSender  # noqa: E402
-from worker.kv_transfer.testing import ReceiverProcess  # noqa: E402
+from worker.kv_transfer.testing import BARE_GRPC_METHOD, ReceiverProcess  # noqa: E402
 
 BENCH = "transfer"
 TARGET_RATIO = 0.75
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+RAW_TCP_PIECE_BYTES = 4 * MIB
+CHECKSUMS = {"xxh3_64": ("XXH3_64",), "crc32": ("CRC32",)}
 
 
 def make_source(layout: KvLayout, num_blocks: int, seed: int) -> LinearKvBuffer:
     size = layout.run_bytes(layout.num_layers, num_blocks)
-    # Random-looking bytes (CRC and copies do not care, but compressible data could flatter a link).
+    # Random-looking bytes (checksums and copies do not care, but compressible data could flatter a link).
     block = random.Random(seed).randbytes(min(size, 4 * MIB))
     data = bytearray(size)
     for offset in range(0, size, len(block)):
@@ -73,23 +89,48 @@ def memcpy_gbps(size_bytes: int, repetitions: int) -> float:
     return size_bytes / statistics.median(times) / 1e9
 
 
-def crc32_gbps(view: memoryview, repetitions: int) -> float:
+def hash_gbps(function, view: memoryview, repetitions: int) -> float:
     times = []
     for _ in range(repetitions):
         start = time.perf_counter()
-        zlib.crc32(view)
+        function(view)
         times.append(time.perf_counter() - start)
     return len(view) / statistics.median(times) / 1e9
 
 
-def raw_tcp_once(connection: socket.socket, view: memoryview, piece_bytes: int) -> float:
+def raw_tcp_once(connection: socket.socket, view: memoryview) -> float:
     start = time.perf_counter()
     connection.sendall(len(view).to_bytes(8, "little"))
-    for offset in range(0, len(view), piece_bytes):
-        connection.sendall(view[offset : offset + piece_bytes])
+    for offset in range(0, len(view), RAW_TCP_PIECE_BYTES):
+        connection.sendall(view[offset : offset + RAW_TCP_PIECE_BYTES])
     if connection.recv(1) != b"k":
         raise RuntimeError("raw TCP sink did not acknowledge")
     return time.perf_counter() - start
+
+
+class BareGrpc:
+    """Prebuilt messages over bare client streams (the ceiling of a gRPC Python data path)."""
+
+    def __init__(self, address: str, view: memoryview, chunk_bytes: int, num_streams: int, num_connections: int) -> None:
+        options = [*grpc_options(chunk_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.insecure_channel(address, options) for _ in range(num_connections)]
+        self._pushes = [channel.stream_unary(BARE_GRPC_METHOD) for channel in self._channels]
+        messages = [bytes(view[offset : offset + chunk_bytes]) for offset in range(0, len(view), chunk_bytes)]
+        self._streams = [messages[index::num_streams] for index in range(min(num_streams, len(messages)))]
+
+    def once(self, timeout_s: float) -> float:
+        start = time.perf_counter()
+        calls = [
+            self._pushes[index % len(self._pushes)].future(iter(stream), timeout=timeout_s)
+            for index, stream in enumerate(self._streams)
+        ]
+        for call in calls:
+            call.result()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=SenderConfig.num_streams)
     parser.add_argument("--connections", type=int, default=SenderConfig.num_connections)
     parser.add_argument("--chunk-mib", type=float, default=SenderConfig.max_chunk_bytes / MIB)
+    parser.add_argument("--checksum", choices=sorted(CHECKSUMS), default="xxh3_64", help="the only algorithm the sender offers")
     parser.add_argument(
         "--no-tune-malloc", action="store_true", help="keep glibc's malloc defaults (worker/kv_transfer/malloc_tuning.py)"
     )
@@ -118,80 +160,111 @@ def main(argv: list[str] | None = None) -> int:
     source_crc = zlib.crc32(source.view)
     progress(f"moving {size_bytes / MIB:.0f} MiB ({num_blocks} blocks x {layout.num_layers} layers), {repetitions} repetitions")
 
-    sender_config = SenderConfig(num_streams=args.streams, num_connections=args.connections, max_chunk_bytes=chunk_bytes)
+    sender_config = SenderConfig(
+        num_streams=args.streams,
+        num_connections=args.connections,
+        max_chunk_bytes=chunk_bytes,
+        checksum_algorithms=CHECKSUMS[args.checksum],
+    )
     receiver = ReceiverProcess(
         config={"max_chunk_bytes": max(chunk_bytes, 64 * 1024), "max_streams_per_transfer": max(args.streams, 1)},
         tune_malloc=tuned,
     )
-    grpc_times: list[float] = []
-    raw_times: list[float] = []
+    times: dict[str, list[float]] = {"duet": [], "bare": [], "raw": []}
     with receiver, KvSender(sender_config) as sender:
         raw_port = receiver.start_raw_tcp_sink(size_bytes)
-        with socket.create_connection(("127.0.0.1", raw_port)) as raw:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # One untimed round of each warms connections, page tables and allocator pools.
-            for repetition in range(repetitions + 1):
-                transfer_id = new_transfer_id()
-                request_id = f"bench-{repetition}"
-                receiver.expect(transfer_id, request_id, layout, num_blocks)
-                start = time.perf_counter()
-                outcome = sender.push(receiver.address, transfer_id, request_id, source, deadline_s=120.0)
-                grpc_s = time.perf_counter() - start
-                if not outcome.ok:
-                    progress(f"push failed: {outcome.failure}")
-                    return 1
-                result = receiver.result(transfer_id, wait_s=10.0)
-                if result.state != "COMMITTED" or result.crc32 != source_crc:
-                    progress(f"receiver state {result.state}, crc {result.crc32} != {source_crc}")
-                    return 1
-                receiver.release(transfer_id)
-                raw_s = raw_tcp_once(raw, source.view, chunk_bytes)
-                if repetition:
-                    grpc_times.append(grpc_s)
-                    raw_times.append(raw_s)
-                progress(
-                    f"  rep {repetition}{' (warm-up)' if not repetition else ''}: grpc {size_bytes / grpc_s / 1e9:.3f} GB/s, "
-                    f"raw tcp {size_bytes / raw_s / 1e9:.3f} GB/s"
-                )
-    grpc_gbps = size_bytes / statistics.median(grpc_times) / 1e9
-    raw_gbps = size_bytes / statistics.median(raw_times) / 1e9
-    copy_gbps = memcpy_gbps(size_bytes, repetitions)
-    checksum_gbps = crc32_gbps(source.view, repetitions)
-    ratio = grpc_gbps / raw_gbps
+        bare_port = receiver.start_bare_grpc_sink(size_bytes, chunk_bytes)
+        bare = BareGrpc(f"127.0.0.1:{bare_port}", source.view, chunk_bytes, args.streams, args.connections)
+        try:
+            with socket.create_connection(("127.0.0.1", raw_port)) as raw:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # One untimed round of each warms connections, page tables and allocator pools.
+                for repetition in range(repetitions + 1):
+                    transfer_id = new_transfer_id()
+                    request_id = f"bench-{repetition}"
+                    receiver.expect(transfer_id, request_id, layout, num_blocks)
+                    start = time.perf_counter()
+                    outcome = sender.push(receiver.address, transfer_id, request_id, source, deadline_s=120.0)
+                    duet_s = time.perf_counter() - start
+                    if not outcome.ok:
+                        progress(f"push failed: {outcome.failure}")
+                        return 1
+                    result = receiver.result(transfer_id, wait_s=10.0)
+                    if result.state != "COMMITTED" or result.crc32 != source_crc:
+                        progress(f"receiver state {result.state}, crc {result.crc32} != {source_crc}")
+                        return 1
+                    receiver.release(transfer_id)
+                    bare_s = bare.once(timeout_s=120.0)
+                    raw_s = raw_tcp_once(raw, source.view)
+                    if repetition:
+                        times["duet"].append(duet_s)
+                        times["bare"].append(bare_s)
+                        times["raw"].append(raw_s)
+                    progress(
+                        f"  rep {repetition}{' (warm-up)' if not repetition else ''}: duet {size_bytes / duet_s / 1e9:.3f} GB/s, "
+                        f"bare gRPC {size_bytes / bare_s / 1e9:.3f} GB/s, raw tcp {size_bytes / raw_s / 1e9:.3f} GB/s"
+                    )
+        finally:
+            bare.close()
 
-    rows = [
-        ("duet gRPC transfer (CRC-32 both sides)", grpc_gbps),
-        ("raw TCP sendall/recv_into (same processes)", raw_gbps),
-        ("memory copy, one process", copy_gbps),
-        ("zlib.crc32, one core", checksum_gbps),
-    ]
-    print(f"KV transfer bandwidth: {size_bytes / MIB:.0f} MiB, chunks {chunk_bytes / MIB:g} MiB, "
-          f"{args.streams} streams over {args.connections} connections, malloc {'tuned' if tuned else 'default'}, "
-          f"median of {repetitions}")
-    print(f"{'path':<46} {'GB/s':>8}")
-    for name, value in rows:
-        print(f"{name:<46} {value:>8.3f}")
-    print(f"{'ratio gRPC / raw TCP':<46} {ratio:>8.3f}   (target >= {TARGET_RATIO})")
-    summary = {
-        "bench": BENCH,
-        "figures": {
-            "size_mib": round(size_bytes / MIB, 1),
-            "chunk_mib": chunk_bytes / MIB,
-            "streams": args.streams,
-            "connections": args.connections,
-            "repetitions": repetitions,
-            "malloc_tuned": tuned,
-            "grpc_gbps": round(grpc_gbps, 4),
-            "raw_tcp_gbps": round(raw_gbps, 4),
-            "memcpy_gbps": round(copy_gbps, 4),
-            "crc32_gbps": round(checksum_gbps, 4),
-            "ratio_grpc_vs_raw_tcp": round(ratio, 4),
-        },
-        "targets": {
-            "ratio_grpc_vs_raw_tcp": {"value": round(ratio, 4), "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}
-        },
+    def gbps(name: str) -> float:
+        return size_bytes / statistics.median(times[name]) / 1e9
+
+    duet_gbps, bare_gbps, raw_gbps = gbps("duet"), gbps("bare"), gbps("raw")
+    # Per-repetition ratios (each pair ran back to back, under about the same load).
+    ratios = [raw_s / duet_s for duet_s, raw_s in zip(times["duet"], times["raw"], strict=True)]
+    bare_ratios = [raw_s / bare_s for bare_s, raw_s in zip(times["bare"], times["raw"], strict=True)]
+    copy_gbps = memcpy_gbps(size_bytes, repetitions)
+    xxh3_gbps = hash_gbps(xxhash.xxh3_64_intdigest, source.view, repetitions)
+    crc32_gbps = hash_gbps(zlib.crc32, source.view, repetitions)
+    ratio = duet_gbps / raw_gbps
+    bare_ratio = bare_gbps / raw_gbps
+
+    print(
+        f"KV transfer bandwidth: {size_bytes / MIB:.0f} MiB, chunks {chunk_bytes / MIB:g} MiB, {args.streams} streams over "
+        f"{args.connections} connections, checksum {args.checksum}, malloc {'tuned' if tuned else 'default'}, "
+        f"median of {repetitions}"
+    )
+    print_table(
+        ["path", "GB/s"],
+        [
+            (f"duet gRPC transfer ({args.checksum} both sides)", duet_gbps),
+            ("bare gRPC stream (prebuilt messages, copy out)", bare_gbps),
+            ("raw TCP sendall/recv_into (same processes)", raw_gbps),
+            ("memory copy, one process", copy_gbps),
+            ("xxhash xxh3_64, one core", xxh3_gbps),
+            ("zlib.crc32, one core", crc32_gbps),
+        ],
+    )
+    print()
+    print_table(
+        ["ratio", "median", "per-rep min", "per-rep max"],
+        [
+            (f"duet / raw TCP (target >= {TARGET_RATIO})", ratio, min(ratios), max(ratios)),
+            ("bare gRPC / raw TCP (gRPC Python's ceiling)", bare_ratio, min(bare_ratios), max(bare_ratios)),
+            ("duet / bare gRPC", duet_gbps / bare_gbps, "", ""),
+        ],
+    )
+    figures = {
+        "size_mib": round(size_bytes / MIB, 1),
+        "chunk_mib": chunk_bytes / MIB,
+        "streams": args.streams,
+        "connections": args.connections,
+        "checksum": args.checksum,
+        "repetitions": repetitions,
+        "malloc_tuned": tuned,
+        "grpc_gbps": round(duet_gbps, 4),
+        "bare_grpc_gbps": round(bare_gbps, 4),
+        "raw_tcp_gbps": round(raw_gbps, 4),
+        "memcpy_gbps": round(copy_gbps, 4),
+        "xxh3_gbps": round(xxh3_gbps, 4),
+        "crc32_gbps": round(crc32_gbps, 4),
+        "ratio_grpc_vs_raw_tcp": round(ratio, 4),
+        "ratio_grpc_vs_raw_tcp_range": [round(min(ratios), 4), round(max(ratios), 4)],
+        "ratio_bare_grpc_vs_raw_tcp": round(bare_ratio, 4),
+        "ratio_grpc_vs_bare_grpc": round(duet_gbps / bare_gbps, 4),
     }
-    print(json.dumps(summary))
+    emit_result(BENCH, figures, {"ratio_grpc_vs_raw_tcp": Target(ratio, TARGET_RATIO, higher_is_better=True)})
     return 0
 
 

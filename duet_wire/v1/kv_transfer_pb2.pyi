@@ -27,6 +27,7 @@ class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
     CHECKSUM_ALGORITHM_CRC32: _ClassVar[ChecksumAlgorithm]
+    CHECKSUM_ALGORITHM_XXH3_64: _ClassVar[ChecksumAlgorithm]
 TRANSFER_FAILURE_REASON_UNSPECIFIED: TransferFailureReason
 TRANSFER_FAILURE_REASON_CHECKSUM_MISMATCH: TransferFailureReason
 TRANSFER_FAILURE_REASON_DEADLINE_EXCEEDED: TransferFailureReason
@@ -42,6 +43,7 @@ TRANSFER_FAILURE_REASON_PROTOCOL_ERROR: TransferFailureReason
 TRANSFER_FAILURE_REASON_INTERNAL: TransferFailureReason
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
+CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
 
 class KvLayoutSpec(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "tokens_per_block", "dtype", "model_fingerprint", "layout_name")

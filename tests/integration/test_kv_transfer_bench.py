@@ -25,8 +25,21 @@ def test_quick_bench_prints_the_summary_envelope() -> None:
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "transfer"
     figures = summary["figures"]
-    for name in ("grpc_gbps", "raw_tcp_gbps", "memcpy_gbps", "crc32_gbps", "ratio_grpc_vs_raw_tcp"):
+    for name in (
+        "grpc_gbps",
+        "bare_grpc_gbps",
+        "raw_tcp_gbps",
+        "memcpy_gbps",
+        "xxh3_gbps",
+        "crc32_gbps",
+        "ratio_grpc_vs_raw_tcp",
+        "ratio_bare_grpc_vs_raw_tcp",
+        "ratio_grpc_vs_bare_grpc",
+    ):
         assert figures[name] > 0, name
+    low, high = figures["ratio_grpc_vs_raw_tcp_range"]
+    assert 0 < low <= high
+    assert figures["checksum"] == "xxh3_64"
     target = summary["targets"]["ratio_grpc_vs_raw_tcp"]
     assert set(target) == {"value", "target", "met"} and target["met"] == (target["value"] >= target["target"])
     assert "rep 1" in result.stderr  # progress goes to stderr

@@ -167,18 +167,24 @@ def test_killed_receiver_is_peer_unavailable_to_the_sender() -> None:
         doomed.kill()
 
 
-class _BrokenSource(LinearKvBuffer):
-    """An engine bug: reading the third chunk raises."""
+class _BrokenSource:
+    """An engine bug: reading the third chunk raises. A plain TransferSource (`read` only, no
+    `read_parts`), as an engine's own source is."""
+
+    def __init__(self, buffer: LinearKvBuffer) -> None:
+        self.layout = buffer.layout
+        self.num_blocks = buffer.num_blocks
+        self._buffer = buffer
 
     def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int):
         if layer_start == 2:
             raise RuntimeError("cache tensor went away")
-        return super().read(layer_start, layer_end, block_start, block_end)
+        return self._buffer.read(layer_start, layer_end, block_start, block_end)
 
 
 def test_source_error_fails_the_push_and_the_receiver_hears_why(receiver, sender) -> None:
     size = LAYOUT.run_bytes(LAYOUT.num_layers, NUM_BLOCKS)
-    source = _BrokenSource(LAYOUT, NUM_BLOCKS, bytearray(size))
+    source = _BrokenSource(LinearKvBuffer(LAYOUT, NUM_BLOCKS, bytearray(size)))
     transfer_id = new_transfer_id()
     receiver.expect(transfer_id, "engine-bug", LAYOUT, NUM_BLOCKS)
     outcome = sender.push(receiver.address, transfer_id, "engine-bug", source, DEADLINE_S)

@@ -58,6 +58,37 @@ def test_bytes_arrive_identical(receiver: ReceiverProcess, layout: KvLayout, num
     assert data == bytes(source.view)
 
 
+class _ReadOnlySource:
+    """A TransferSource with `read` only (an engine's own source has no `read_parts`)."""
+
+    def __init__(self, buffer: LinearKvBuffer) -> None:
+        self.layout = buffer.layout
+        self.num_blocks = buffer.num_blocks
+        self._buffer = buffer
+
+    def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> bytes:
+        return bytes(self._buffer.read(layer_start, layer_end, block_start, block_end))
+
+
+@pytest.mark.parametrize(
+    ("checksums", "read_only"),
+    [(("XXH3_64", "CRC32"), False), (("CRC32",), False), (("XXH3_64",), True), (("CRC32", "XXH3_64"), True)],
+)
+def test_every_checksum_and_source_kind_arrives_identical(receiver: ReceiverProcess, checksums, read_only: bool) -> None:
+    layout = KvLayout(4, 2, 64, 16, "bfloat16", "llama-a")
+    # 64 KiB chunks split each layer into block ranges, so the parts path joins (layer, K|V) rows.
+    buffer = _source(layout, 11, seed=len(checksums) + read_only)
+    source = _ReadOnlySource(buffer) if read_only else buffer
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "checksums", layout, buffer.num_blocks)
+    config = SenderConfig(num_streams=2, max_chunk_bytes=64 * KIB, checksum_algorithms=checksums)
+    with KvSender(config) as sender:
+        outcome = sender.push(receiver.address, transfer_id, "checksums", source, deadline_s=30.0)
+    assert outcome.ok, outcome.failure
+    result, data = receiver.received_bytes(transfer_id)
+    assert result.state == "COMMITTED" and data == bytes(buffer.view)
+
+
 def test_concurrent_pushes_over_one_sender(receiver: ReceiverProcess) -> None:
     layout = KvLayout(4, 2, 64, 16, "bfloat16", "llama-a")
     sources = [_source(layout, 9 + index, seed=100 + index) for index in range(4)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import random
-import zlib
 from concurrent import futures
 
 import grpc
@@ -72,6 +71,25 @@ def _status(error: grpc.RpcError) -> tuple[grpc.StatusCode, str | None]:
     return error.code(), reason
 
 
+def _open(channel, receiver, checksum_algorithms=(pb.CHECKSUM_ALGORITHM_CRC32,)):
+    """Prepare a transfer by hand, offering `checksum_algorithms`; returns its ids and the answer."""
+    transfer_id, request_id = new_transfer_id(), f"req-{random.random()}"
+    receiver.expect(transfer_id, request_id, LAYOUT, NUM_BLOCKS)
+    request = pb.KvPrepareRequest(
+        transfer_id=transfer_id,
+        request_id=request_id,
+        layout=codec.layout_to_proto(LAYOUT),
+        num_blocks=NUM_BLOCKS,
+        num_streams=1,
+        max_chunk_bytes=CHUNK_LIMIT,
+        timeout_s=30.0,
+        checksum_algorithms=list(checksum_algorithms),
+    )
+    prepare = _unary(channel, "Prepare", pb.KvPrepareResponse)
+    answer = prepare(request.SerializeToString(), timeout=RPC_TIMEOUT_S, metadata=AUTH)
+    return transfer_id, request_id, answer
+
+
 def _prepare(channel, receiver, *, layout: KvLayout = LAYOUT, num_blocks: int = NUM_BLOCKS, expect: bool = True):
     transfer_id, request_id = new_transfer_id(), f"req-{random.random()}"
     if expect:
@@ -90,9 +108,17 @@ def _prepare(channel, receiver, *, layout: KvLayout = LAYOUT, num_blocks: int = 
     return transfer_id, request_id
 
 
-def _chunk(transfer_id: str, request_id: str, spec: ChunkSpec, *, corrupt: bool = False, mutate=None) -> bytes:
+def _chunk(
+    transfer_id: str,
+    request_id: str,
+    spec: ChunkSpec,
+    *,
+    corrupt: bool = False,
+    mutate=None,
+    algorithm: int = pb.CHECKSUM_ALGORITHM_CRC32,
+) -> bytes:
     data = bytearray(random.Random(spec.sequence).randbytes(spec.size_bytes(LAYOUT)))
-    header = codec.make_header(transfer_id, request_id, spec, LAYOUT, zlib.crc32(data))
+    header = codec.make_header(transfer_id, request_id, spec, LAYOUT, codec.checksum(data, algorithm), algorithm)
     if mutate is not None:
         mutate(header)
     if corrupt:
@@ -267,6 +293,50 @@ def test_checksum_mismatch_is_data_loss_and_nothing_is_committed(channel, receiv
     assert result.events == ("fail:CHECKSUM_MISMATCH",)
 
 
+@pytest.mark.parametrize(
+    ("offered", "chosen"),
+    [
+        ((pb.CHECKSUM_ALGORITHM_XXH3_64, pb.CHECKSUM_ALGORITHM_CRC32), pb.CHECKSUM_ALGORITHM_XXH3_64),
+        ((pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_XXH3_64), pb.CHECKSUM_ALGORITHM_CRC32),
+        ((pb.CHECKSUM_ALGORITHM_CRC32,), pb.CHECKSUM_ALGORITHM_CRC32),
+        ((), pb.CHECKSUM_ALGORITHM_CRC32),  # a sender from before the negotiation
+        ((99, pb.CHECKSUM_ALGORITHM_XXH3_64), pb.CHECKSUM_ALGORITHM_XXH3_64),
+    ],
+)
+def test_receiver_picks_the_senders_first_supported_checksum(channel, receiver, offered, chosen) -> None:
+    transfer_id, request_id, answer = _open(channel, receiver, offered)
+    assert answer.checksum_algorithm == chosen
+    other = next(a for a in codec.SUPPORTED_CHECKSUMS if a != chosen)
+    spec = ChunkSpec(0, 0, 1, 0, NUM_BLOCKS)
+    # A chunk under the other algorithm is refused before its checksum is even computed ...
+    with pytest.raises(grpc.RpcError) as raised:
+        _push_raw(channel, [_chunk(transfer_id, request_id, spec, algorithm=other)], transfer_id, request_id)
+    assert _status(raised.value) == (grpc.StatusCode.INVALID_ARGUMENT, "PROTOCOL_ERROR")
+    assert receiver.result(transfer_id).writes == 0
+    # ... and one under the chosen algorithm is verified and written.
+    transfer_id, request_id, answer = _open(channel, receiver, offered)
+    accepted = _push_raw(channel, [_chunk(transfer_id, request_id, spec, algorithm=chosen)], transfer_id, request_id)
+    assert accepted.chunks_accepted == 1 and receiver.result(transfer_id).writes == 1
+    abort = pb.KvAbortRequest(transfer_id=transfer_id, request_id=request_id, reason=pb.TRANSFER_FAILURE_REASON_CANCELLED)
+    assert _unary(channel, "Abort", pb.KvAbortResponse)(abort.SerializeToString(), timeout=RPC_TIMEOUT_S, metadata=AUTH).aborted
+
+
+def test_no_common_checksum_is_refused_as_incompatible(channel, receiver) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        _open(channel, receiver, (99,))
+    assert _status(raised.value) == (grpc.StatusCode.FAILED_PRECONDITION, "INCOMPATIBLE")
+
+
+def test_xxh3_checksum_mismatch_is_data_loss(channel, receiver) -> None:
+    transfer_id, request_id, _ = _open(channel, receiver, (pb.CHECKSUM_ALGORITHM_XXH3_64,))
+    frame = _chunk(transfer_id, request_id, ChunkSpec(0, 0, 1, 0, NUM_BLOCKS), corrupt=True, algorithm=pb.CHECKSUM_ALGORITHM_XXH3_64)
+    with pytest.raises(grpc.RpcError) as raised:
+        _push_raw(channel, [frame], transfer_id, request_id)
+    assert _status(raised.value) == (grpc.StatusCode.DATA_LOSS, "CHECKSUM_MISMATCH")
+    result = receiver.result(transfer_id)
+    assert result.events == ("fail:CHECKSUM_MISMATCH",) and result.writes == 0
+
+
 def test_replayed_chunks_and_commit_are_idempotent_and_late_chunks_dropped(channel, receiver) -> None:
     transfer_id, request_id = _prepare(channel, receiver)
     frames = [_chunk(transfer_id, request_id, ChunkSpec(index, index, index + 1, 0, NUM_BLOCKS)) for index in range(2)]
@@ -363,6 +433,48 @@ def test_sender_checks_the_receivers_layout_too() -> None:
     assert outcome.failure is not None and outcome.failure.reason is FailureReason.INCOMPATIBLE
     assert "model_fingerprint" in outcome.failure.detail and outcome.chunks_sent == 0
     assert [a.reason for a in aborts] == [pb.TRANSFER_FAILURE_REASON_INCOMPATIBLE]
+
+
+def test_sender_refuses_a_checksum_it_did_not_offer() -> None:
+    """A receiver (not ours) that answers with an algorithm the sender did not offer gets no chunk."""
+    offered: list[list[int]] = []
+
+    def prepare(request: pb.KvPrepareRequest, context) -> pb.KvPrepareResponse:
+        offered.append(list(request.checksum_algorithms))
+        return pb.KvPrepareResponse(
+            layout=codec.layout_to_proto(LAYOUT),
+            expected_num_blocks=request.num_blocks,
+            max_chunk_bytes=CHUNK_LIMIT,
+            max_streams=1,
+            timeout_s=10,
+            checksum_algorithm=pb.CHECKSUM_ALGORITHM_XXH3_64,
+        )
+
+    def abort(request: pb.KvAbortRequest, context) -> pb.KvAbortResponse:
+        return pb.KvAbortResponse(aborted=True)
+
+    def push(request_iterator, context) -> pb.KvPushResponse:
+        raise AssertionError("no chunk may be sent")
+
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Prepare": grpc.unary_unary_rpc_method_handler(prepare, pb.KvPrepareRequest.FromString, pb.KvPrepareResponse.SerializeToString),
+            "Abort": grpc.unary_unary_rpc_method_handler(abort, pb.KvAbortRequest.FromString, pb.KvAbortResponse.SerializeToString),
+            "Push": grpc.stream_unary_rpc_method_handler(push, codec.decode_chunk, pb.KvPushResponse.SerializeToString),
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with KvSender(SenderConfig(max_chunk_bytes=CHUNK_LIMIT, checksum_algorithms=("CRC32",))) as sender:
+            outcome = sender.push(f"127.0.0.1:{port}", new_transfer_id(), "r", LinearKvBuffer(LAYOUT, NUM_BLOCKS), 10.0)
+    finally:
+        server.stop(0)
+    assert offered == [[pb.CHECKSUM_ALGORITHM_CRC32]]
+    assert outcome.failure is not None and outcome.failure.reason is FailureReason.INCOMPATIBLE
+    assert "checksum" in outcome.failure.detail and outcome.chunks_sent == 0
 
 
 # -- mutual TLS --------------------------------------------------------------------------------------

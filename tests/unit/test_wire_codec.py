@@ -136,9 +136,58 @@ def test_layout_round_trips_through_proto() -> None:
 
 
 def test_checksum_negotiation_picks_the_first_common_algorithm() -> None:
-    assert codec.choose_checksum([]) == pb.CHECKSUM_ALGORITHM_CRC32
-    assert codec.choose_checksum([99, pb.CHECKSUM_ALGORITHM_CRC32]) == pb.CHECKSUM_ALGORITHM_CRC32
+    xxh3, crc32 = pb.CHECKSUM_ALGORITHM_XXH3_64, pb.CHECKSUM_ALGORITHM_CRC32
+    assert codec.choose_checksum([]) == crc32  # a peer from before the negotiation
+    assert codec.choose_checksum([99, crc32]) == crc32
     assert codec.choose_checksum([99]) is None
+    # The sender's preference wins among the common ones.
+    assert codec.choose_checksum([xxh3, crc32]) == xxh3
+    assert codec.choose_checksum([crc32, xxh3]) == crc32
+    assert codec.choose_checksum([99, xxh3]) == xxh3
+    # This side prefers XXH3-64 and still speaks CRC-32.
+    assert codec.SUPPORTED_CHECKSUMS == (xxh3, crc32)
+    assert SenderConfig().checksum_algorithm_values == (xxh3, crc32)
+
+
+# -- checksums ---------------------------------------------------------------------------------------
+
+
+def test_checksums_match_the_reference_algorithms() -> None:
+    # XXH3-64 with seed 0 (xxHash's published values), and zlib's CRC-32.
+    assert codec.checksum(b"", pb.CHECKSUM_ALGORITHM_XXH3_64) == 0x2D06800538D394C2
+    assert codec.checksum(b"hello world", pb.CHECKSUM_ALGORITHM_XXH3_64) == 0xD447B1EA40E6988B
+    assert codec.checksum(b"hello world", pb.CHECKSUM_ALGORITHM_CRC32) == zlib.crc32(b"hello world") == 0x0D4A1185
+    assert codec.checksum_name(pb.CHECKSUM_ALGORITHM_XXH3_64) == "XXH3_64"
+
+
+@pytest.mark.parametrize("algorithm", [pb.CHECKSUM_ALGORITHM_XXH3_64, pb.CHECKSUM_ALGORITHM_CRC32])
+@given(parts=st.lists(st.binary(max_size=3000), max_size=5))
+def test_checksum_of_parts_equals_checksum_of_their_concatenation(algorithm: int, parts: list[bytes]) -> None:
+    views = [memoryview(part) for part in parts]
+    expected = codec.checksum(b"".join(parts), algorithm)
+    assert codec.checksum_parts(views, algorithm) == expected
+    if any(parts):
+        flipped = bytearray(b"".join(parts))
+        flipped[len(flipped) // 2] ^= 0x01
+        assert codec.checksum(flipped, algorithm) != expected
+
+
+@pytest.mark.parametrize("algorithm", [pb.CHECKSUM_ALGORITHM_UNSPECIFIED, 99])
+def test_unsupported_checksum_algorithms_raise(algorithm: int) -> None:
+    with pytest.raises(codec.UnsupportedChecksum):
+        codec.checksum(b"abc", algorithm)
+    with pytest.raises(codec.UnsupportedChecksum):
+        codec.checksum_parts([b"a", b"bc"], algorithm)
+
+
+def test_encoding_from_parts_equals_encoding_of_the_joined_data() -> None:
+    parts = [random.Random(index).randbytes(size) for index, size in enumerate((0, 5, 200, 70_000))]
+    joined = b"".join(parts)
+    header = _header(ChunkSpec(1, 0, 1, 0, 1), joined)
+    raw = codec.encode_chunk_parts(header, [memoryview(part) for part in parts])
+    assert raw == codec.encode_chunk(header, joined)
+    decoded = codec.decode_chunk(raw)
+    assert isinstance(decoded, codec.DecodedChunk) and bytes(decoded.data) == joined
 
 
 # -- planning ----------------------------------------------------------------------------------------
@@ -253,6 +302,18 @@ def test_config_errors_name_the_field() -> None:
     assert SenderConfig.from_mapping({"num_streams": 3}).num_streams == 3
 
 
+@pytest.mark.parametrize("bad", [(), ("MD5",), ("CRC32", "CRC32"), "CRC32", ("UNSPECIFIED",), (1,)])
+def test_sender_checksum_algorithms_are_validated(bad) -> None:
+    with pytest.raises(TransferConfigError, match="checksum_algorithms"):
+        SenderConfig(checksum_algorithms=bad)
+
+
+def test_sender_checksum_algorithms_keep_their_order_and_load_from_lists() -> None:
+    config = SenderConfig.from_mapping({"checksum_algorithms": ["CRC32", "XXH3_64"]})
+    assert config.checksum_algorithms == ("CRC32", "XXH3_64")
+    assert config.checksum_algorithm_values == (pb.CHECKSUM_ALGORITHM_CRC32, pb.CHECKSUM_ALGORITHM_XXH3_64)
+
+
 # -- buffers -----------------------------------------------------------------------------------------
 
 
@@ -278,6 +339,11 @@ def test_linear_buffer_reads_and_writes_ranges_in_chunk_layout(data: st.DataObje
     source = LinearKvBuffer(LAYOUT, num_blocks, storage)
     expected = _reference_read(LAYOUT, num_blocks, bytes(storage), l0, l1, b0, b1)
     assert bytes(source.read(l0, l1, b0, b1)) == expected
+    parts = source.read_parts(l0, l1, b0, b1)
+    assert b"".join(parts) == expected
+    assert all(isinstance(part, memoryview) and part.obj is storage for part in parts)  # views, not copies
+    # One part for a run of whole layers (contiguous), else one per (layer, K|V) row.
+    assert len(parts) == (1 if (b0, b1) == (0, num_blocks) else 2 * (l1 - l0))
     target = LinearKvBuffer(LAYOUT, num_blocks)
     target.write(l0, l1, b0, b1, expected)
     assert _reference_read(LAYOUT, num_blocks, bytes(target.view), l0, l1, b0, b1) == expected

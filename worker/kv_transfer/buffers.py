@@ -3,7 +3,9 @@ of a TransferTarget (tests, benches, and engines that stage KV through host memo
 
 The buffer is laid out as [num_layers, 2, num_blocks, T, H, D] (worker/kv_layout.py for one
 request's blocks in order). A range covering every block of a run of layers is contiguous and is
-read without a copy; any other range is gathered row by row ((layer, K|V) rows).
+read without a copy; any other range consists of one row per (layer, K|V), which `read` gathers
+into one bytes object and `read_parts` hands out as views (the sender builds its frame from those
+views directly, saving a copy of every chunk).
 """
 
 from __future__ import annotations
@@ -52,10 +54,16 @@ class LinearKvBuffer:
                 yield offset, row_bytes
 
     def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> memoryview | bytes:
+        parts = self.read_parts(layer_start, layer_end, block_start, block_end)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_parts(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> tuple[memoryview, ...]:
+        """Views (no copies) whose concatenation is the range: one for a run of whole layers, else one
+        per (layer, K|V) row."""
         if block_start == 0 and block_end == self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers:
             layer_bytes = self.layout.run_bytes(1, self.num_blocks)
-            return self._view[layer_start * layer_bytes : layer_end * layer_bytes]
-        return b"".join(
+            return (self._view[layer_start * layer_bytes : layer_end * layer_bytes],)
+        return tuple(
             self._view[offset : offset + length] for offset, length in self._rows(layer_start, layer_end, block_start, block_end)
         )
 

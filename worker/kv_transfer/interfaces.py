@@ -10,6 +10,7 @@ not cache block ids: each side maps them onto its cache's block ids.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -60,6 +61,20 @@ class TransferSource(Protocol):
         """The bytes of a range, laid out as [layer_end-layer_start, 2, block_end-block_start, T, H, D].
 
         A returned memoryview must stay valid and unchanged until the push returns."""
+        ...
+
+
+@runtime_checkable
+class TransferPartsSource(TransferSource, Protocol):
+    """A TransferSource that can also hand out a range as several buffers without gathering them (a
+    range that is not contiguous in its storage). The sender then builds each chunk's message from
+    the parts with a single copy instead of two (gRPC Python takes a message only as one `bytes`)."""
+
+    def read_parts(
+        self, layer_start: int, layer_end: int, block_start: int, block_end: int
+    ) -> Sequence[memoryview | bytes]:
+        """Buffers whose concatenation is exactly what `read` returns for the range, under the same
+        validity rules."""
         ...
 
 

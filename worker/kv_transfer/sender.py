@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -28,7 +28,7 @@ from worker.kv_transfer.config import SenderConfig, TransportSecurity, grpc_opti
 from worker.kv_transfer.failures import FAILURE_METADATA_KEY, FailureReason, TransferFailure, reason_from_grpc
 from worker.kv_transfer.faults import NO_CHUNK_FAULTS, FaultInjector, FaultSide
 from worker.kv_transfer.ids import check_request_id, check_transfer_id
-from worker.kv_transfer.interfaces import TransferOutcome, TransferSource
+from worker.kv_transfer.interfaces import TransferOutcome, TransferPartsSource, TransferSource
 from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
 
@@ -193,6 +193,7 @@ class _PushRun:
         self.bytes_sent = 0
         self.num_streams = 0
         self.checksum_algorithm = 0  # negotiated at Prepare
+        self._read_parts = source.read_parts if isinstance(source, TransferPartsSource) else None
         # Finished stream calls, and None whenever a local failure is set.
         self._done: queue.Queue[grpc.Future | None] = queue.Queue()
         injector = sender._faults
@@ -249,7 +250,7 @@ class _PushRun:
             num_streams=config.num_streams,
             max_chunk_bytes=config.max_chunk_bytes,
             timeout_s=self.remaining_s(),
-            checksum_algorithms=codec.SUPPORTED_CHECKSUMS,
+            checksum_algorithms=config.checksum_algorithm_values,
         )
         try:
             answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
@@ -267,8 +268,8 @@ class _PushRun:
         problem = source.layout.incompatibility(receiver_layout)
         if problem is None and answer.expected_num_blocks != source.num_blocks:
             problem = f"num_blocks differs: local {source.num_blocks}, receiver expects {answer.expected_num_blocks}"
-        if problem is None and answer.checksum_algorithm not in codec.SUPPORTED_CHECKSUMS:
-            problem = f"receiver chose checksum algorithm {answer.checksum_algorithm}, which this side lacks"
+        if problem is None and answer.checksum_algorithm not in config.checksum_algorithm_values:
+            problem = f"receiver chose checksum algorithm {answer.checksum_algorithm}, which this side did not offer"
         if problem is not None:
             return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, problem))
         self.checksum_algorithm = answer.checksum_algorithm
@@ -367,6 +368,12 @@ class _PushRun:
             # Best effort: the receiver's deadline releases the reservation anyway.
             logger.debug("abort of transfer %s not delivered: %s", self.transfer_id, error)
 
+    def _read(self, spec: ChunkSpec) -> Sequence[memoryview | bytes]:
+        """The chunk's bytes, as parts when the source can hand them out without gathering."""
+        if self._read_parts is not None:
+            return self._read_parts(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end)
+        return (self.source.read(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end),)
+
     def _frames(self, chunks: tuple[ChunkSpec, ...]) -> Iterator[bytes]:
         """The encoded chunks of one stream, with the sender-side faults applied. Runs in a gRPC
         thread: it never raises (a source error becomes the push's local failure and ends the stream)."""
@@ -399,9 +406,10 @@ class _PushRun:
                 if chunk_faults.drop:
                     continue
             try:
-                data = source.read(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end)
-                if len(data) != spec.size_bytes(layout):
-                    raise ValueError(f"read returned {len(data)} bytes for a range of {spec.size_bytes(layout)}")
+                parts = self._read(spec)
+                size_bytes = sum(len(part) for part in parts)
+                if size_bytes != spec.size_bytes(layout):
+                    raise ValueError(f"read returned {size_bytes} bytes for a range of {spec.size_bytes(layout)}")
             except Exception as error:  # the engine's bug fails this transfer, not the gRPC thread
                 logger.exception("source.read() of transfer %s raised", self.transfer_id)
                 self._set_local_failure(TransferFailure(FailureReason.INTERNAL, f"source read failed: {error}"))
@@ -409,16 +417,16 @@ class _PushRun:
                 # receiver records INTERNAL rather than a cut-off stream.
                 self.finished.wait(max(self.remaining_s(), 0.0))
                 return
-            crc = codec.checksum(data, self.checksum_algorithm)
+            data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
             if chunk_faults.corrupt:
-                damaged = bytearray(data)
+                damaged = bytearray(b"".join(parts))
                 damaged[len(damaged) // 2] ^= 0xFF
-                data = damaged
-            header = codec.make_header(self.transfer_id, self.request_id, spec, layout, crc, self.checksum_algorithm)
-            frame = codec.encode_chunk(header, data)
+                parts = (damaged,)
+            header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
+            frame = codec.encode_chunk_parts(header, parts)
             with self._lock:
                 self.chunks_sent += 1
-                self.bytes_sent += len(data)
+                self.bytes_sent += size_bytes
             if chunk_faults.reorder and held is None:
                 held = frame
                 continue

@@ -4,7 +4,8 @@ For tests, benches and smoke checks of the transport (and of a deployment's netw
 sink reserves room for transfers announced with `expect`, stores what arrives into a
 LinearKvBuffer, and records every call the transport makes on each target. `ReceiverProcess`
 spawns a KvTransferServer with such a sink and is driven over a local pipe with JSON commands
-(no pickle anywhere).
+(no pickle anywhere). It also starts the baselines bench/transfer_bench.py measures the transport
+against, in the same process: a raw TCP sink and a bare gRPC sink.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ import threading
 import time
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import grpc
+
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.buffers import LinearKvBuffer
-from worker.kv_transfer.config import ReceiverConfig, TransportSecurity
+from worker.kv_transfer.config import ReceiverConfig, TransportSecurity, grpc_options
 from worker.kv_transfer.failures import FailureReason, TransferFailure, TransferRejected
 from worker.kv_transfer.faults import FaultInjector
 from worker.kv_transfer.malloc_tuning import tune_malloc_for_transfers
@@ -214,6 +218,7 @@ def _serve(connection: Connection, settings_json: str) -> None:
     server = KvTransferServer(sink, ReceiverConfig.from_mapping(settings["config"]), security=security, faults=faults)
     port = server.start()
     connection.send_bytes(json.dumps({"port": port}).encode())
+    bare_servers: list[Any] = []
     try:
         while True:
             try:
@@ -238,12 +243,52 @@ def _serve(connection: Connection, settings_json: str) -> None:
             elif op == "raw_tcp_sink":
                 port = _start_raw_tcp_sink(command["max_bytes"])
                 connection.send_bytes(json.dumps({"port": port}).encode())
+            elif op == "bare_grpc_sink":
+                bare_server, port = _start_bare_grpc_sink(command["max_bytes"], command["max_message_bytes"])
+                bare_servers.append(bare_server)
+                connection.send_bytes(json.dumps({"port": port}).encode())
             elif op == "stats":
                 connection.send_bytes(json.dumps(asdict(server.stats())).encode())
             else:
                 connection.send_bytes(json.dumps({"error": f"unknown op {op!r}"}).encode())
     finally:
         server.stop(grace_s=0.5)
+        for bare_server in bare_servers:
+            bare_server.stop(0)
+
+
+BARE_GRPC_SERVICE = "duet.bench.BareSink"
+BARE_GRPC_METHOD = f"/{BARE_GRPC_SERVICE}/Push"
+
+
+def _start_bare_grpc_sink(max_bytes: int, max_message_bytes: int) -> tuple[Any, int]:
+    """A gRPC server with one client-streaming method that copies every message into one preallocated
+    buffer (wrapping around) and answers with nothing: what any gRPC Python receiver must do at the
+    least, with the transport's channel options but no framing, checks or checksums. Its bandwidth is
+    the ceiling of a gRPC-based data path between these processes."""
+    buffer = bytearray(max_bytes)
+    view = memoryview(buffer)
+
+    def push(request_iterator: Any, context: Any) -> bytes:
+        offset = 0
+        for message in request_iterator:
+            size = len(message)
+            if size > max_bytes:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "message larger than the sink")
+            if offset + size > max_bytes:
+                offset = 0
+            view[offset : offset + size] = message
+            offset += size
+        return b""
+
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=16, thread_name_prefix="bare-sink"),
+        handlers=[grpc.method_handlers_generic_handler(BARE_GRPC_SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(push)})],
+        options=grpc_options(max_message_bytes),
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
 
 
 def _start_raw_tcp_sink(max_bytes: int) -> int:
@@ -384,6 +429,12 @@ class ReceiverProcess:
     def start_raw_tcp_sink(self, max_bytes: int) -> int:
         """Start a plain-TCP receiver in the same process (see _start_raw_tcp_sink); returns its port."""
         answer, _ = self._call({"op": "raw_tcp_sink", "max_bytes": max_bytes})
+        return answer["port"]
+
+    def start_bare_grpc_sink(self, max_bytes: int, max_message_bytes: int) -> int:
+        """Start a bare gRPC receiver in the same process (see _start_bare_grpc_sink); returns its port.
+        Its method is BARE_GRPC_METHOD; requests and the answer are raw bytes."""
+        answer, _ = self._call({"op": "bare_grpc_sink", "max_bytes": max_bytes, "max_message_bytes": max_message_bytes})
         return answer["port"]
 
     def stats(self) -> dict[str, int]:
