@@ -444,7 +444,26 @@ def _run_demo(args: argparse.Namespace) -> int:
     return run_demo(config)
 
 
-SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_generate, _add_status, _add_serve, _add_demo)
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    from cluster.cli_bench import add_bench
+
+    add_bench(subparsers)
+
+
+def _add_chaos(subparsers: argparse._SubParsersAction) -> None:
+    from cluster.cli_chaos import add_chaos
+
+    add_chaos(subparsers)
+
+
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_generate,
+    _add_status,
+    _add_serve,
+    _add_demo,
+    _add_bench,
+    _add_chaos,
+)
 
 
 def build_parser(subcommands: Sequence[Callable[[argparse._SubParsersAction], None]] = SUBCOMMANDS) -> argparse.ArgumentParser:

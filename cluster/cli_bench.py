@@ -308,8 +308,8 @@ def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
     from cluster.cli import load_cluster_config
 
     config = load_cluster_config(args)
-    # A free port: the bench must not collide with a `duet serve` on the default one.
-    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0))
+    # Free ports: the bench must not collide with a `duet serve` on the default ones.
+    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0, metrics_port=0))
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -297,8 +297,10 @@ def _build_local_map() -> Mapping[RequestType, Mapping[str, frozenset[GlobalStat
         "CONTEXT_INIT": waiting_or_running,
         # Layer-wise transfer: prefill still running while KV already flows.
         "DISAGG_CONTEXT_INIT_AND_TRANS": frozenset({s.CONTEXT_IN_PROGRESS}) | transfer,
-        # Prefill done; KV waits for the receiver's reservation or is being sent.
-        "DISAGG_CONTEXT_TRANS_IN_PROGRESS": transfer,
+        # Prefill done; KV waits for the receiver's reservation or is being sent. GENERATING too: the
+        # sender stays here until its push is acknowledged, after the receiver committed, and it
+        # records a failed push here while a retried transfer may have landed already.
+        "DISAGG_CONTEXT_TRANS_IN_PROGRESS": transfer | {s.GENERATING},
         # The sender is done; the receiver may not have committed yet, or may be generating already.
         "DISAGG_CONTEXT_COMPLETE": frozenset({s.TRANSMISSION, s.GENERATING, s.COMPLETE}),
         # The first token was the last one: nothing to transfer.

@@ -151,6 +151,10 @@ class _Request:
     error: str = ""
     admitted_s: float = 0.0
     first_token_s: float | None = None
+    # The task running this request's recovery, while one runs (see Router._recover), and the
+    # failures other tasks reported meanwhile, looked at again once it is done.
+    recovery_task: asyncio.Task | None = None
+    deferred_failures: list[tuple[_Attempt, str, bool, str | None]] = field(default_factory=list)
 
     @property
     def ended(self) -> bool:
@@ -537,7 +541,13 @@ class Router:
                 logger.exception("polling %s failed", instance.instance_id)
                 await asyncio.sleep(0.2)
                 continue
-            await self._on_batch(instance, batch)
+            try:
+                await self._on_batch(instance, batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - nor a bug in handling one batch: the instance would look
+                # healthy forever without ever being polled again.
+                logger.exception("handling a batch from %s failed", instance.instance_id)
 
     async def _on_silence(self, instance: _Instance, reason: str) -> None:
         silent_s = self._clock() - instance.last_ok_s
@@ -788,6 +798,11 @@ class Router:
         self.transfers[f"failed_{push.reason}"] += 1
         if generation is None or generation.transfer_id != push.transfer_id or generation.failure_handled:
             return
+        if request.timeline.state not in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+            # The receiver committed this transfer before the sender saw its call fail (a
+            # connection lost after the commit): the hand-over stands; free the sender's copy.
+            await self._stop_attempt(attempt, "KV already committed by the receiver")
+            return
         await self._on_transfer_failure(request, generation, f"{push.reason}: {push.detail}", kv_survives=attempt.live)
 
     # --- recovery -------------------------------------------------------------------------------------
@@ -811,16 +826,50 @@ class Router:
         )
 
     async def _recover(self, request: _Request, attempt: _Attempt, reason: str, *, kv_survives: bool, suspect: str | None) -> None:
-        """Pick and run the next recovery action for `request` after `attempt` failed."""
+        """Pick and run the next recovery action for `request` after `attempt` failed.
+
+        One recovery at a time per request: an action awaits instances (abort, release, submit)
+        between choosing and making its transition, and a second recovery started meanwhile (by the
+        watchdog's stage timeout, another instance's report) would act on a state about to change
+        and leave two live hops. A failure reported by another task while one runs is deferred and
+        looked at again afterwards: acted on only if its attempt is still one of the request's
+        current hops. A recovery may chain into the next one itself (its new hop's submit failed):
+        same task, so it proceeds."""
         if request.ended:
             return
+        current = asyncio.current_task()
+        if request.recovery_task is not None and request.recovery_task is not current:
+            logger.info("request %s: %s while a recovery runs; deferred", request.request_id, reason)
+            request.deferred_failures.append((attempt, reason, kv_survives, suspect))
+            return
+        outermost = request.recovery_task is None
+        request.recovery_task = current
+        try:
+            await self._run_recovery(request, attempt, reason, kv_survives=kv_survives, suspect=suspect)
+        finally:
+            if outermost:
+                request.recovery_task = None
+        if outermost:
+            await self._recover_deferred(request)
+
+    async def _recover_deferred(self, request: _Request) -> None:
+        while request.deferred_failures and not request.ended:
+            attempt, reason, kv_survives, suspect = request.deferred_failures.pop(0)
+            if attempt is request.prefill or attempt is request.generation:
+                await self._recover(request, attempt, reason, kv_survives=kv_survives, suspect=suspect)
+        request.deferred_failures.clear()
+
+    async def _run_recovery(self, request: _Request, attempt: _Attempt, reason: str, *, kv_survives: bool, suspect: str | None) -> None:
         attempt.failure_handled = True
         exclude = frozenset({suspect} if suspect else ())
         applicable = {RecoveryAction.FAIL}
         prefill = request.prefill
         if kv_survives and prefill is not None and prefill.live and prefill.context_done and self._has_healthy({InstanceRole.GENERATION, InstanceRole.MIXED}, exclude):
             applicable.add(RecoveryAction.RETRY_TRANSFER)
-        if self._has_healthy({InstanceRole.PREFILL}, exclude) and self._has_healthy({InstanceRole.GENERATION, InstanceRole.MIXED}, exclude):
+        # Re-placement below excludes the request's current prefill instance: judge applicability
+        # on the same candidates, or the chain stops at a placement failure instead of moving on.
+        elsewhere = exclude | ({prefill.instance_id} if prefill is not None else frozenset())
+        if self._has_healthy({InstanceRole.PREFILL}, elsewhere) and self._has_healthy({InstanceRole.GENERATION, InstanceRole.MIXED}, elsewhere):
             applicable.add(RecoveryAction.REPREFILL_ELSEWHERE)
         if self._has_healthy({InstanceRole.GENERATION, InstanceRole.MIXED}, exclude):
             applicable.add(RecoveryAction.RECOMPUTE_LOCAL)
@@ -979,6 +1028,8 @@ class Router:
         for request in list(self._requests.values()):
             if request.ended:
                 continue
+            if request.recovery_task is not None:
+                continue  # its state is about to change; the timers restart with it
             if request.deadline_s is not None and now >= request.deadline_s:
                 await self._end(request, Outcome.ABORTED, "abort", None, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
                 continue

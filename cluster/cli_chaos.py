@@ -1,0 +1,143 @@
+"""`duet chaos`: the chaos soak as a command (cluster/chaos.py does the work).
+
+    duet chaos                                   # 1,000 requests, 5 % faulty transfers, kills
+    duet chaos --requests 300 --seed 7 --fault-rate 0.1 --kill-every 50 --json-out soak.json
+    duet chaos --address ray://head:10001 --model /models/llama
+
+Prints a progress bar on stderr, then the report table and, as the very last stdout line, the
+DESIGN.md §8 JSON object. Exit status: 0 when lost, leaked blocks, token mismatches and illegal
+transitions are all 0; 10 when one of them is not; 2 for a bad command line; 3 when the clusters
+cannot be deployed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_DEPLOY = 3
+EXIT_INVARIANT_BROKEN = 10
+
+
+def add_chaos(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `chaos` subcommand (and its handler) to a `duet` subparsers object."""
+    parser = subparsers.add_parser(
+        "chaos",
+        help="soak a P/D cluster with KV transfer faults and instance kills; check nothing is lost",
+        description="Deploy a faulty cluster (PREFILL + GENERATION, a seeded fault plan on the KV "
+        "transfers, instance kills) and a clean one on the same Ray cluster; send seeded requests; "
+        "report lost requests, leaked blocks, token mismatches against a fault-free replay and "
+        "illegal transitions (all must be 0: exit status 0), failures by status and the extra latency "
+        "of recovered requests.",
+    )
+    add_chaos_arguments(parser)
+    parser.set_defaults(handler=run_chaos)
+    return parser
+
+
+def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
+    from cluster.chaos import SoakConfig
+
+    defaults = SoakConfig()
+    parser.add_argument("--requests", type=int, default=defaults.requests, metavar="N", help=f"requests to send ({defaults.requests})")
+    parser.add_argument("--seed", type=int, default=defaults.seed, metavar="S", help="seed of the workload, the fault plan and the kills")
+    parser.add_argument(
+        "--fault-rate", type=float, default=defaults.fault_rate, metavar="F",
+        help=f"fraction of KV transfers that draw a fault ({defaults.fault_rate:g})",
+    )
+    parser.add_argument(
+        "--kill-every", type=int, default=defaults.kill_every, metavar="K",
+        help=f"kill an instance after every K submitted requests; 0 never ({defaults.kill_every})",
+    )
+    parser.add_argument("--prefill", type=int, default=defaults.prefill, metavar="N", help=f"PREFILL instances ({defaults.prefill})")
+    parser.add_argument(
+        "--generation", type=int, default=defaults.generation, metavar="N", help=f"GENERATION instances ({defaults.generation})"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=defaults.concurrency, metavar="N", help=f"requests in flight at most ({defaults.concurrency})"
+    )
+    parser.add_argument(
+        "--address", default=None, metavar="ADDR",
+        help="the Ray cluster to join (default: an embedded local one; $RAY_ADDRESS is honoured)",
+    )
+    parser.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default=defaults.device, metavar="DEV", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--lost-after", type=float, default=defaults.lost_after_s, metavar="S",
+        help=f"an accepted request without a final event after S seconds is lost ({defaults.lost_after_s:g})",
+    )
+    parser.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def config_from_args(args: argparse.Namespace):
+    """The SoakConfig of parsed arguments; raises cluster.cli.CliError (exit 2) for bad values."""
+    from cluster.chaos import SoakConfig, SoakConfigError
+    from cluster.cli import CliError
+
+    try:
+        return SoakConfig(
+            requests=args.requests,
+            seed=args.seed,
+            fault_rate=args.fault_rate,
+            kill_every=args.kill_every,
+            prefill=args.prefill,
+            generation=args.generation,
+            concurrency=args.concurrency,
+            address=args.address,
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            lost_after_s=args.lost_after,
+        )
+    except SoakConfigError as error:
+        raise CliError(f"--{error.field.replace('_', '-').removesuffix('-s')}: {error.message}", EXIT_USAGE) from None
+
+
+def run_chaos(args: argparse.Namespace) -> int:
+    import logging
+
+    from cluster.chaos import SoakError, run_soak
+    from cluster.cli import CliError
+    from cluster.config import ConfigError
+
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    config = config_from_args(args)
+    try:
+        report = run_soak(config, show_progress=not args.no_progress)
+    except ConfigError as error:
+        raise CliError(f"bad configuration: {error}", EXIT_USAGE) from None
+    except SoakError as error:
+        raise CliError(str(error), EXIT_DEPLOY) from None
+    line = report.json_line()
+    if args.json_out:
+        try:
+            with open(args.json_out, "w", encoding="utf-8") as handle:
+                handle.write(line + "\n")
+        except OSError as error:
+            raise CliError(f"--json-out: cannot write {args.json_out}: {error.strerror}", EXIT_USAGE) from None
+    sys.stdout.write(report.table())
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    return EXIT_OK if report.ok else EXIT_INVARIANT_BROKEN
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "duet chaos") -> int:
+    """`duet chaos` on its own (bench/chaos_soak.py uses it): the same arguments and exit statuses."""
+    from cluster.cli import CliError
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_chaos_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_chaos(args)
+    except CliError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        return 130
