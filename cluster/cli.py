@@ -501,4 +501,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # `python -m cluster.cli`: run the imported module's main, not this __main__ copy's, so that the
+    # subcommand modules (which import cluster.cli) raise the CliError class main() catches.
+    from cluster.cli import main as _main
+
+    sys.exit(_main())
