@@ -429,6 +429,17 @@ def test_an_exception_while_handling_a_poll_batch_does_not_stop_polling_that_ins
     assert later_polls >= 3, later_polls
 
 
+async def _until(predicate, what: str, timeout_s: float = 3.0) -> None:
+    """Wait on the router's loop until `predicate()` holds (scripted-instance scenarios)."""
+    import asyncio
+
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 class _ScriptedInstance:
     """An InstanceClient whose poll batches the test hands it, recording every call (no engine)."""
 
@@ -512,13 +523,6 @@ def test_a_push_that_fails_after_the_receiver_committed_does_not_undo_the_hand_o
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
 
-    async def until(predicate, what: str) -> None:
-        for _ in range(200):
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}")
-
     async def scenario() -> tuple[FinalEvent, str, int]:
         prefill.batches, generation.batches = asyncio.Queue(), asyncio.Queue()
         router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
@@ -528,13 +532,13 @@ def test_a_push_that_fails_after_the_receiver_committed_does_not_undo_the_hand_o
             await router.add_instance(generation)
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             handle = await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
-            await until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
+            await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
             prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
-            await until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
+            await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
             generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
-            await until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+            await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
             generation.feed(events=(StateEvent("r.g1", "DISAGG_GENERATION_TRANS_COMPLETE", 0.0, "KV received"),))
-            await until(lambda: router.get_request("r").state == "GENERATING", "GENERATING")
+            await _until(lambda: router.get_request("r").state == "GENERATING", "GENERATING")
             # The sender's connection broke after the commit: its push result says failed.
             prefill.feed(push_results=(PushResult("r.p1", "t-1", False, "PEER_UNAVAILABLE", "Channel closed!", 0, 0.0),))
             await asyncio.sleep(0.3)
@@ -595,13 +599,6 @@ def test_one_failure_gets_one_recovery_even_when_the_instance_is_slow_to_answer(
     )
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
 
-    async def until(predicate, what: str) -> None:
-        for _ in range(300):
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}")
-
     async def scenario() -> tuple[int, dict, list]:
         prefill.batches, generation.batches = asyncio.Queue(), asyncio.Queue()
         router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
@@ -611,14 +608,14 @@ def test_one_failure_gets_one_recovery_even_when_the_instance_is_slow_to_answer(
             await router.add_instance(generation)
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
-            await until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
+            await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
             prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
-            await until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
+            await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
             generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
-            await until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+            await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
             generation.abort_gate = asyncio.Event()  # g0 is slow to answer from now on
             prefill.feed(push_results=(PushResult("r.p1", "t-1", False, "CHECKSUM_MISMATCH", "chunk 0", 0, 0.0),))
-            await until(lambda: ("abort", "r.g1") in generation.calls, "the first recovery's abort")
+            await _until(lambda: ("abort", "r.g1") in generation.calls, "the first recovery's abort")
             await asyncio.sleep(1.5)  # the TRANSMISSION stage timeout (0.5 s) passes meanwhile
             generation.abort_gate.set()
             await asyncio.sleep(0.5)
@@ -653,13 +650,6 @@ def test_a_failure_reported_while_a_recovery_runs_is_acted_on_after_it() -> None
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
 
-    async def until(predicate, what: str) -> None:
-        for _ in range(300):
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"timed out waiting for {what}")
-
     async def scenario():
         prefill.batches, generation.batches = asyncio.Queue(), asyncio.Queue()
         router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
@@ -669,21 +659,21 @@ def test_a_failure_reported_while_a_recovery_runs_is_acted_on_after_it() -> None
             await router.add_instance(generation)
             params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
             handle = await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
-            await until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
+            await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
             prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
-            await until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
+            await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
             generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
-            await until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+            await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
             generation.submit_gate = asyncio.Event()  # recovery 1's new hop is slow to submit
             failed = RequestError(ErrorCode.TRANSFER_FAILED, "chunk 0", "CHECKSUM_MISMATCH")
             generation.feed(outputs=(RequestOutput("r.g1", (), "", finished=True, error=failed),))
-            await until(lambda: ("submit", "r.g2") in generation.calls, "recovery 1 (retry the transfer)")
+            await _until(lambda: ("submit", "r.g2") in generation.calls, "recovery 1 (retry the transfer)")
             lost = RequestError(ErrorCode.LEASE_EXPIRED, "the KV is gone")
             prefill.feed(outputs=(RequestOutput("r.p1", (), "", finished=True, error=lost),))
             await asyncio.sleep(0.3)
             during = sum(router.recovery_actions.values())
             generation.submit_gate.set()
-            await until(lambda: ("submit", "r.c1") in generation.calls, "recovery 2 (recompute on g0)")
+            await _until(lambda: ("submit", "r.c1") in generation.calls, "recovery 2 (recompute on g0)")
             generation.feed(outputs=(RequestOutput("r.c1", (11, 12), "", finished=True, finish_reason=FinishReason.LENGTH),))
             final = None
             async for event in handle.events():
