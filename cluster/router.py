@@ -322,6 +322,13 @@ class Router:
             events=asyncio.Queue(maxsize=self.config.admission.max_buffered_events),
             admitted_s=now,
         )
+        previous = self._ended.get(request_id)
+        if previous is not None:
+            # A client's name used again: its hops continue the previous request's attempt numbers
+            # ("r.c2" after "r.c1"), so that an instance still finishing the old hop (an abort on
+            # its way) neither refuses the new one as a duplicate nor has its late report taken
+            # for the new request's.
+            state.attempt_numbers = Counter(previous.attempt_numbers)
         self._requests[request_id] = state
         if client_id is not None:
             self._by_client_id[client_id] = request_id

@@ -690,3 +690,51 @@ def test_a_failure_reported_while_a_recovery_runs_is_acted_on_after_it() -> None
     assert illegal == 0
     assert final.outcome is Outcome.COMPLETE, final
     assert ("abort", "r.g2") in generation.calls  # the retried hop was stopped before recomputing
+
+
+def test_a_client_request_id_used_again_gets_fresh_hop_ids() -> None:
+    """A client may name a new request like one that ended. The old hop may still be ending on the
+    instance (its abort on the way, its last report not yet read): the new request's hops must not
+    share its engine ids, or the instance refuses the new hop as a duplicate and the old hop's late
+    ABORTED report is taken for the new request's (which then waits for nothing)."""
+    import asyncio
+
+    from cluster.config import RouterConfig
+    from cluster.router import Router
+    from cluster.router_types import ClientRequest, Outcome
+    from worker.engine_types import ErrorCode, FinishReason, RequestError, RequestOutput
+    from worker.sampling import SamplingParams
+    from worker.tokenizer import ByteTokenizer
+
+    config = RouterConfig.from_dict(
+        {"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}, "placement": {"disaggregation": "never"}}
+    )
+    mixed = _ScriptedInstance("m0", InstanceRole.MIXED)
+
+    async def scenario():
+        mixed.batches = asyncio.Queue()
+        router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
+        await router.start()
+        try:
+            await router.add_instance(mixed)
+            params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
+            await _until(lambda: ("submit", "r.c1") in mixed.calls, f"the first request's hop: {mixed.calls}")
+            await router.abort(client_request_id="r")
+            handle = await router.submit(ClientRequest(None, (256, 4, 5, 6), params, client_request_id="r"))
+            await _until(lambda: ("submit", "r.c2") in mixed.calls, "the second request's hop")
+            # The old hop's last report arrives late, then the new hop finishes.
+            aborted = RequestError(ErrorCode.ABORTED, "request ended")
+            mixed.feed(outputs=(RequestOutput("r.c1", (), "", finished=True, error=aborted),))
+            mixed.feed(outputs=(RequestOutput("r.c2", (7, 8), "", finished=True, finish_reason=FinishReason.LENGTH),))
+            events = [event async for event in handle.events()]
+            return events, router.illegal_transitions
+        finally:
+            await router.stop()
+
+    events, illegal = asyncio.run(scenario())
+    final = events[-1]
+    assert final.outcome is Outcome.COMPLETE, final
+    assert [use.attempt for use in final.instances] == [2]
+    assert illegal == 0
+    assert [c for c in mixed.calls if c[0] == "submit"] == [("submit", "r.c1"), ("submit", "r.c2")]
