@@ -440,6 +440,39 @@ async def _until(predicate, what: str, timeout_s: float = 3.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+async def _started_router(config, *instances):
+    """A started Router (the byte tokenizer, a seed) with the scripted instances added."""
+    import asyncio
+
+    from cluster.router import Router
+    from worker.tokenizer import ByteTokenizer
+
+    router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
+    await router.start()
+    for instance in instances:
+        instance.batches = asyncio.Queue()
+        await router.add_instance(instance)
+    return router
+
+
+async def _to_the_push(router, prefill, generation):
+    """Submit request "r" (3 greedy tokens) and script it to its KV push: p0 computes the context,
+    g0 reserves, the router asks p0 to push. Returns the request's handle."""
+    from cluster.router_types import ClientRequest
+    from worker.engine_types import RequestOutput
+    from worker.instance_protocol import ReservationNotice
+    from worker.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    handle = await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
+    await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
+    prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
+    await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
+    generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
+    await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+    return handle
+
+
 class _ScriptedInstance:
     """An InstanceClient whose poll batches the test hands it, recording every call (no engine)."""
 
@@ -512,31 +545,18 @@ def test_a_push_that_fails_after_the_receiver_committed_does_not_undo_the_hand_o
     import asyncio
 
     from cluster.config import RouterConfig
-    from cluster.router import Router
-    from cluster.router_types import ClientRequest, FinalEvent, Outcome
+    from cluster.router_types import FinalEvent, Outcome
     from worker.engine_types import RequestOutput, StateEvent
-    from worker.instance_protocol import PushResult, ReservationNotice
-    from worker.sampling import SamplingParams
+    from worker.instance_protocol import PushResult
     from worker.stopping import FinishReason
-    from worker.tokenizer import ByteTokenizer
 
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
 
     async def scenario() -> tuple[FinalEvent, str, int]:
-        prefill.batches, generation.batches = asyncio.Queue(), asyncio.Queue()
-        router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
-        await router.start()
+        router = await _started_router(config, prefill, generation)
         try:
-            await router.add_instance(prefill)
-            await router.add_instance(generation)
-            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            handle = await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
-            await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
-            prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
-            await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
-            generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
-            await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+            handle = await _to_the_push(router, prefill, generation)
             generation.feed(events=(StateEvent("r.g1", "DISAGG_GENERATION_TRANS_COMPLETE", 0.0, "KV received"),))
             await _until(lambda: router.get_request("r").state == "GENERATING", "GENERATING")
             # The sender's connection broke after the commit: its push result says failed.
@@ -584,12 +604,7 @@ def test_one_failure_gets_one_recovery_even_when_the_instance_is_slow_to_answer(
     import asyncio
 
     from cluster.config import RouterConfig
-    from cluster.router import Router
-    from cluster.router_types import ClientRequest
-    from worker.engine_types import RequestOutput
-    from worker.instance_protocol import PushResult, ReservationNotice
-    from worker.sampling import SamplingParams
-    from worker.tokenizer import ByteTokenizer
+    from worker.instance_protocol import PushResult
 
     config = RouterConfig.from_dict(
         {
@@ -600,19 +615,9 @@ def test_one_failure_gets_one_recovery_even_when_the_instance_is_slow_to_answer(
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
 
     async def scenario() -> tuple[int, dict, list]:
-        prefill.batches, generation.batches = asyncio.Queue(), asyncio.Queue()
-        router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
-        await router.start()
+        router = await _started_router(config, prefill, generation)
         try:
-            await router.add_instance(prefill)
-            await router.add_instance(generation)
-            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
-            await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
-            prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
-            await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
-            generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
-            await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+            await _to_the_push(router, prefill, generation)
             generation.abort_gate = asyncio.Event()  # g0 is slow to answer from now on
             prefill.feed(push_results=(PushResult("r.p1", "t-1", False, "CHECKSUM_MISMATCH", "chunk 0", 0, 0.0),))
             await _until(lambda: ("abort", "r.g1") in generation.calls, "the first recovery's abort")
@@ -640,30 +645,16 @@ def test_a_failure_reported_while_a_recovery_runs_is_acted_on_after_it() -> None
     import asyncio
 
     from cluster.config import RouterConfig
-    from cluster.router import Router
-    from cluster.router_types import ClientRequest, Outcome
+    from cluster.router_types import Outcome
     from worker.engine_types import ErrorCode, FinishReason, RequestError, RequestOutput
-    from worker.instance_protocol import ReservationNotice
-    from worker.sampling import SamplingParams
-    from worker.tokenizer import ByteTokenizer
 
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
 
     async def scenario():
-        prefill.batches, generation.batches = asyncio.Queue(), asyncio.Queue()
-        router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
-        await router.start()
+        router = await _started_router(config, prefill, generation)
         try:
-            await router.add_instance(prefill)
-            await router.add_instance(generation)
-            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-            handle = await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="r"))
-            await _until(lambda: ("submit", "r.p1") in prefill.calls, "the prefill hop")
-            prefill.feed(outputs=(RequestOutput("r.p1", (10,), "", context_done=True),))
-            await _until(lambda: ("submit", "r.g1") in generation.calls, "the generation hop")
-            generation.feed(reservations=(ReservationNotice("r.g1", "t-1", 1, 1e12),))
-            await _until(lambda: ("push", "r.p1") in prefill.calls, "the push")
+            handle = await _to_the_push(router, prefill, generation)
             generation.submit_gate = asyncio.Event()  # recovery 1's new hop is slow to submit
             failed = RequestError(ErrorCode.TRANSFER_FAILED, "chunk 0", "CHECKSUM_MISMATCH")
             generation.feed(outputs=(RequestOutput("r.g1", (), "", finished=True, error=failed),))

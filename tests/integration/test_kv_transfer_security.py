@@ -402,19 +402,22 @@ def test_open_transfers_are_bounded(channel, receiver) -> None:
     _assert_receiver_still_serves(receiver)
 
 
-def test_sender_checks_the_receivers_layout_too() -> None:
-    """A receiver that accepts anything (not ours) still gets nothing from an incompatible sender."""
+def _push_to_a_foreign_receiver(layout: KvLayout, checksum_algorithm: int, sender_config: SenderConfig):
+    """Push to a receiver that is not ours: it answers Prepare with `layout` and
+    `checksum_algorithm` whatever it was offered, and fails the test if a chunk arrives. Returns the
+    outcome, the algorithms each Prepare offered and the aborts received."""
+    offered: list[list[int]] = []
     aborts: list[pb.KvAbortRequest] = []
 
     def prepare(request: pb.KvPrepareRequest, context) -> pb.KvPrepareResponse:
-        other = KvLayout(2, 2, 64, 16, "bfloat16", "some-other-model")
+        offered.append(list(request.checksum_algorithms))
         return pb.KvPrepareResponse(
-            layout=codec.layout_to_proto(other),
+            layout=codec.layout_to_proto(layout),
             expected_num_blocks=request.num_blocks,
             max_chunk_bytes=CHUNK_LIMIT,
             max_streams=1,
             timeout_s=10,
-            checksum_algorithm=pb.CHECKSUM_ALGORITHM_CRC32,
+            checksum_algorithm=checksum_algorithm,
         )
 
     def abort(request: pb.KvAbortRequest, context) -> pb.KvAbortResponse:
@@ -436,10 +439,17 @@ def test_sender_checks_the_receivers_layout_too() -> None:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with KvSender(SenderConfig(max_chunk_bytes=CHUNK_LIMIT)) as sender:
+        with KvSender(sender_config) as sender:
             outcome = sender.push(f"127.0.0.1:{port}", new_transfer_id(), "r", LinearKvBuffer(LAYOUT, NUM_BLOCKS), 10.0)
     finally:
         server.stop(0)
+    return outcome, offered, aborts
+
+
+def test_sender_checks_the_receivers_layout_too() -> None:
+    """A receiver (not ours) that accepts anything still gets nothing from an incompatible sender."""
+    other = KvLayout(2, 2, 64, 16, "bfloat16", "some-other-model")
+    outcome, _, aborts = _push_to_a_foreign_receiver(other, pb.CHECKSUM_ALGORITHM_CRC32, SenderConfig(max_chunk_bytes=CHUNK_LIMIT))
     assert outcome.failure is not None and outcome.failure.reason is FailureReason.INCOMPATIBLE
     assert "model_fingerprint" in outcome.failure.detail and outcome.chunks_sent == 0
     assert [a.reason for a in aborts] == [pb.TRANSFER_FAILURE_REASON_INCOMPATIBLE]
@@ -447,41 +457,8 @@ def test_sender_checks_the_receivers_layout_too() -> None:
 
 def test_sender_refuses_a_checksum_it_did_not_offer() -> None:
     """A receiver (not ours) that answers with an algorithm the sender did not offer gets no chunk."""
-    offered: list[list[int]] = []
-
-    def prepare(request: pb.KvPrepareRequest, context) -> pb.KvPrepareResponse:
-        offered.append(list(request.checksum_algorithms))
-        return pb.KvPrepareResponse(
-            layout=codec.layout_to_proto(LAYOUT),
-            expected_num_blocks=request.num_blocks,
-            max_chunk_bytes=CHUNK_LIMIT,
-            max_streams=1,
-            timeout_s=10,
-            checksum_algorithm=pb.CHECKSUM_ALGORITHM_XXH3_64,
-        )
-
-    def abort(request: pb.KvAbortRequest, context) -> pb.KvAbortResponse:
-        return pb.KvAbortResponse(aborted=True)
-
-    def push(request_iterator, context) -> pb.KvPushResponse:
-        raise AssertionError("no chunk may be sent")
-
-    handler = grpc.method_handlers_generic_handler(
-        SERVICE_NAME,
-        {
-            "Prepare": grpc.unary_unary_rpc_method_handler(prepare, pb.KvPrepareRequest.FromString, pb.KvPrepareResponse.SerializeToString),
-            "Abort": grpc.unary_unary_rpc_method_handler(abort, pb.KvAbortRequest.FromString, pb.KvAbortResponse.SerializeToString),
-            "Push": grpc.stream_unary_rpc_method_handler(push, codec.decode_chunk, pb.KvPushResponse.SerializeToString),
-        },
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        with KvSender(SenderConfig(max_chunk_bytes=CHUNK_LIMIT, checksum_algorithms=("CRC32",))) as sender:
-            outcome = sender.push(f"127.0.0.1:{port}", new_transfer_id(), "r", LinearKvBuffer(LAYOUT, NUM_BLOCKS), 10.0)
-    finally:
-        server.stop(0)
+    config = SenderConfig(max_chunk_bytes=CHUNK_LIMIT, checksum_algorithms=("CRC32",))
+    outcome, offered, _ = _push_to_a_foreign_receiver(LAYOUT, pb.CHECKSUM_ALGORITHM_XXH3_64, config)
     assert offered == [[pb.CHECKSUM_ALGORITHM_CRC32]]
     assert outcome.failure is not None and outcome.failure.reason is FailureReason.INCOMPATIBLE
     assert "checksum" in outcome.failure.detail and outcome.chunks_sent == 0
