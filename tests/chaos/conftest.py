@@ -10,20 +10,10 @@ import pytest
 # The integration helpers (cluster_harness) are shared with the chaos suite.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
+from cluster_harness import local_ray_cluster  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    try:
+    with local_ray_cluster() as ray:
         yield ray
-    finally:
-        ray.shutdown()

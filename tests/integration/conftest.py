@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from cluster_harness import local_ray_cluster
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        log_to_driver=False,
-        configure_logging=False,
-    )
-    try:
+    with local_ray_cluster() as ray:
         yield ray
-    finally:
-        ray.shutdown()
