@@ -71,28 +71,14 @@ def _rejection(error: BaseException) -> InstanceRejected | None:
     return None
 
 
-class RayInstanceClient:
-    """An instance hosted by a Ray actor (worker.instance.Instance wrapped with ray.remote)."""
+class _InstanceCalls:
+    """The InstanceClient methods, each one deadline-bounded `_call` of the instance's method of
+    the same name; a subclass says how a call reaches the instance."""
 
-    def __init__(self, instance_id: str, actor: Any) -> None:
-        self.instance_id = instance_id
-        self.actor = actor
+    instance_id: str
 
     async def _call(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
-        import ray
-
-        try:
-            ref = getattr(self.actor, method).remote(*args)
-            return await asyncio.wait_for(ref, timeout=timeout_s)
-        except asyncio.TimeoutError:
-            raise InstanceUnavailable(f"{self.instance_id}: {method} did not answer within {timeout_s:.1f}s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
-            raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}") from None
-        except ray.exceptions.RayTaskError as error:
-            rejection = _rejection(error)
-            if rejection is not None:
-                raise rejection from None
-            raise InstanceUnavailable(f"{self.instance_id}: {method} failed: {error}") from None
+        raise NotImplementedError
 
     async def get_info(self) -> InstanceInfo:
         return decode_info(await self._call("get_info", timeout_s=CALL_TIMEOUT_S))
@@ -121,7 +107,31 @@ class RayInstanceClient:
         return await self._call("drain", timeout_s, timeout_s=timeout_s + CONTROL_TIMEOUT_S)
 
 
-class LocalInstanceClient:
+class RayInstanceClient(_InstanceCalls):
+    """An instance hosted by a Ray actor (worker.instance.Instance wrapped with ray.remote)."""
+
+    def __init__(self, instance_id: str, actor: Any) -> None:
+        self.instance_id = instance_id
+        self.actor = actor
+
+    async def _call(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+        import ray
+
+        try:
+            ref = getattr(self.actor, method).remote(*args)
+            return await asyncio.wait_for(ref, timeout=timeout_s)
+        except asyncio.TimeoutError:
+            raise InstanceUnavailable(f"{self.instance_id}: {method} did not answer within {timeout_s:.1f}s") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+            raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}") from None
+        except ray.exceptions.RayTaskError as error:
+            rejection = _rejection(error)
+            if rejection is not None:
+                raise rejection from None
+            raise InstanceUnavailable(f"{self.instance_id}: {method} failed: {error}") from None
+
+
+class LocalInstanceClient(_InstanceCalls):
     """An instance in this process (tests, single-process tools): calls run on worker threads."""
 
     def __init__(self, instance: Any) -> None:
@@ -145,29 +155,3 @@ class LocalInstanceClient:
             if rejection is not None:
                 raise rejection from None
             raise
-
-    async def get_info(self) -> InstanceInfo:
-        return decode_info(await self._call("get_info"))
-
-    async def ping(self) -> str:
-        return await self._call("ping")
-
-    async def submit(self, payload: bytes) -> None:
-        await self._call("submit", payload, timeout_s=CALL_TIMEOUT_S)
-
-    async def abort(self, request_id: str, detail: str) -> None:
-        await self._call("abort", request_id, detail)
-
-    async def push(
-        self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str
-    ) -> None:
-        await self._call("push", request_id, target, transfer_id, deadline_s, target_request_id)
-
-    async def release(self, request_id: str, reason: str, detail: str) -> None:
-        await self._call("release", request_id, reason, detail)
-
-    async def poll(self, timeout_s: float) -> PollBatch:
-        return decode_poll(await self._call("poll", timeout_s, timeout_s=timeout_s + CONTROL_TIMEOUT_S))
-
-    async def drain(self, timeout_s: float) -> int:
-        return await self._call("drain", timeout_s, timeout_s=timeout_s + CONTROL_TIMEOUT_S)
