@@ -193,3 +193,38 @@ def test_source_error_fails_the_push_and_the_receiver_hears_why(receiver, sender
     result = receiver.result(transfer_id, wait_s=5.0)
     assert result.events == ("fail:INTERNAL",), result
     _assert_still_serving(receiver, sender)
+
+
+def test_a_push_on_a_closed_connection_fails_as_peer_unavailable_and_the_next_reconnects(receiver) -> None:
+    """grpc raises ValueError for a call on a closed channel (a stream's failure, or a cache
+    eviction, closed it under the push): the push returns PEER_UNAVAILABLE instead of raising, and
+    forgets the dead connection so that the next push to that receiver reconnects."""
+    with KvSender(SENDER_CONFIG) as sender:
+        sender._connect(receiver.address).close()  # cached, and now closed
+        outcome, _, _, _ = _push(receiver, sender, "closed-before-prepare")
+        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
+        assert "connection closed" in outcome.failure.detail
+        outcome, result, data, source = _push(receiver, sender, "after-reconnect")
+        assert outcome.ok, outcome.failure
+        assert result.events == ("commit",) and data == bytes(source.view)
+
+
+def test_a_stream_that_cannot_start_on_a_closed_connection_fails_the_push(receiver, monkeypatch) -> None:
+    """The race the chaos suite hit: one stream's fault closed the connection while the push was
+    still starting its other streams."""
+    with KvSender(SENDER_CONFIG) as sender:
+        connections = sender._connect(receiver.address)
+
+        class _ClosedPush:
+            def future(self, *args, **kwargs):
+                raise ValueError("Cannot invoke RPC: Channel closed!")
+
+        monkeypatch.setattr(connections, "pushes", [_ClosedPush() for _ in connections.pushes])
+        transfer_id = new_transfer_id()
+        receiver.expect(transfer_id, "closed-before-streams", LAYOUT, NUM_BLOCKS)
+        outcome = sender.push(receiver.address, transfer_id, "closed-before-streams", _source(), SHORT_DEADLINE_S)
+        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
+        assert "connection closed" in outcome.failure.detail and outcome.chunks_sent == 0
+        assert sender._connect(receiver.address) is not connections  # forgotten: the next push reconnects
+        # Nothing was committed; the receiver's deadline ends the transfer it had opened.
+        assert receiver.result(transfer_id, wait_s=SHORT_DEADLINE_S + 5.0).state != "COMMITTED"

@@ -135,6 +135,13 @@ class KvSender:
             old.close()
         return connections
 
+    def _forget(self, target: str, connections: _Connections) -> None:
+        """Drop `connections` from the cache if they are still the ones for `target` (found closed:
+        the next push reconnects instead of failing on them too)."""
+        with self._lock:
+            if self._connections.get(target) is connections:
+                del self._connections[target]
+
     def drop_connections(self, target: str) -> None:
         """Close the connections to `target` (the next push reconnects)."""
         with self._lock:
@@ -171,6 +178,14 @@ class KvSender:
         else:
             logger.warning("push of transfer %s (request %s) failed: %s", transfer_id, request_id, failure)
         return outcome
+
+
+def _closed_channel(error: ValueError) -> TransferFailure:
+    """grpc raises ValueError ("Cannot invoke RPC: Channel closed!") for a call started on a closed
+    channel: a stream's connection-closing failure (or the fault injector's close) got there
+    first, or the connection was evicted from the cache by a push to another receiver. The peer is
+    unreachable on this connection; the push fails like any lost connection, it does not raise."""
+    return TransferFailure(FailureReason.PEER_UNAVAILABLE, f"connection closed: {error}")
 
 
 class _PushRun:
@@ -259,6 +274,8 @@ class _PushRun:
             if failure.reason is FailureReason.DEADLINE_EXCEEDED:
                 self._send_abort(connections, failure)  # the receiver may have opened it after all
             return failure
+        except ValueError as error:  # the channel was closed under us (see _closed_channel)
+            return self._channel_closed(connections, error)
 
         # The receiver checked us; now we check the receiver, before any byte moves.
         try:
@@ -290,9 +307,13 @@ class _PushRun:
                 (TRANSFER_ID_METADATA_KEY, self.transfer_id),
                 (REQUEST_ID_METADATA_KEY, self.request_id),
             )
-            call = push.future(
-                self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
-            )
+            try:
+                call = push.future(
+                    self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+                )
+            except ValueError as error:  # an earlier stream's failure closed the channel meanwhile
+                failure = self.local_failure or self._channel_closed(connections, error)
+                return self._fail(connections, failure, calls)
             call.add_done_callback(done.put)
             calls.append(call)
         failure = self._wait(calls, done)
@@ -312,6 +333,8 @@ class _PushRun:
             )
         except grpc.RpcError as error:
             return self._fail(connections, self._failure_from_rpc(error))
+        except ValueError as error:
+            return self._fail(connections, self._channel_closed(connections, error))
         return None
 
     def _wait(self, calls: list[grpc.Future], done: queue.Queue[grpc.Future | None]) -> TransferFailure | None:
@@ -337,6 +360,10 @@ class _PushRun:
             if error is not None:
                 return self._failure_from_rpc(error)
         return self.local_failure
+
+    def _channel_closed(self, connections: _Connections, error: ValueError) -> TransferFailure:
+        self.sender._forget(self.target, connections)
+        return _closed_channel(error)
 
     def _fail(
         self, connections: _Connections, failure: TransferFailure, calls: list[grpc.Future] | None = None
@@ -364,7 +391,7 @@ class _PushRun:
                 timeout=self.sender._config.abort_timeout_s,
                 metadata=self.sender._metadata,
             )
-        except grpc.RpcError as error:
+        except (grpc.RpcError, ValueError) as error:
             # Best effort: the receiver's deadline releases the reservation anyway.
             logger.debug("abort of transfer %s not delivered: %s", self.transfer_id, error)
 
