@@ -77,8 +77,9 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", default=None, metavar="FILE", help="client private key for mutual TLS (PEM)")
 
 
-def connect(args: argparse.Namespace, *, timeout_s: float | None = None) -> DuetClient:
-    from cluster.client import ClientConfigError, ClientTls, DuetClient
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The token and TLS keyword arguments of a (sync or async) client, from the connection flags."""
+    from cluster.client import ClientConfigError, ClientTls
 
     token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
     tls = None
@@ -91,8 +92,14 @@ def connect(args: argparse.Namespace, *, timeout_s: float | None = None) -> Duet
             )
         except ClientConfigError as error:
             raise CliError(f"TLS settings: {error}", EXIT_USAGE) from None
+    return {"token": token, "tls": tls}
+
+
+def connect(args: argparse.Namespace, *, timeout_s: float | None = None) -> DuetClient:
+    from cluster.client import ClientConfigError, DuetClient
+
     try:
-        return DuetClient(args.target, token=token, tls=tls, timeout_s=timeout_s)
+        return DuetClient(args.target, timeout_s=timeout_s, **client_options(args))
     except ClientConfigError as error:
         raise CliError(str(error), EXIT_USAGE) from None
 

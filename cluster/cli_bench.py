@@ -22,12 +22,13 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from cluster.cli import TOKEN_ENV
 
 if TYPE_CHECKING:  # pragma: no cover - the CLI imports these lazily, when the command runs
     from cluster.deploy_config import ClusterConfig
@@ -39,7 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover - the CLI imports these lazily, when the c
 logger = logging.getLogger(__name__)
 
 BENCH_NAME = "duet_bench"
-TOKEN_ENV = "DUET_TOKEN"
 
 # Defaults for a full run, and for --quick (a few seconds of load, for CI smoke tests).
 DEFAULTS = {
@@ -221,35 +221,6 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 # ---- running ----------------------------------------------------------------------------------
 
 
-def _client_options(args: argparse.Namespace) -> dict[str, Any]:
-    from cluster.cli import EXIT_USAGE, CliError
-    from cluster.client import ClientConfigError, ClientTls
-
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
-    tls = None
-    if args.tls_ca or args.tls_cert or args.tls_key:
-        try:
-            tls = ClientTls(
-                root_certificates_pem=_read(args.tls_ca, "--tls-ca"),
-                certificate_chain_pem=_read(args.tls_cert, "--tls-cert"),
-                private_key_pem=_read(args.tls_key, "--tls-key"),
-            )
-        except ClientConfigError as error:
-            raise CliError(f"TLS settings: {error}", EXIT_USAGE) from None
-    return {"token": token, "tls": tls}
-
-
-def _read(path: str | None, option: str) -> bytes | None:
-    from cluster.cli import EXIT_USAGE, CliError
-
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as error:
-        raise CliError(f"{option}: cannot read {path}: {error.strerror}", EXIT_USAGE) from None
-
-
 async def run_points(
     target: str, client_options: dict[str, Any], settings: BenchSettings, dataset: Sequence[SharegptPair] | None
 ) -> list[PointResult]:
@@ -313,7 +284,7 @@ def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from cluster.cli import EXIT_CODES, EXIT_USAGE, CliError
+    from cluster.cli import EXIT_CODES, EXIT_USAGE, CliError, client_options
     from cluster.loadgen.workloads import WorkloadError, load_sharegpt
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -328,7 +299,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.target is not None and embedded_flags:
         raise CliError(f"--{embedded_flags[0]}: configures an embedded cluster; it has no effect with --target", EXIT_USAGE)
     if args.target is not None:
-        results = asyncio.run(run_points(args.target, _client_options(args), settings, dataset))
+        results = asyncio.run(run_points(args.target, client_options(args), settings, dataset))
         cluster_description: dict[str, Any] = {"target": args.target}
     else:
         from cluster.embedded import BackgroundCluster
