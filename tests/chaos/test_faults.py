@@ -21,7 +21,7 @@ import time
 
 import grpc
 import pytest
-from cluster_harness import ClusterHarness  # noqa: I001 - shared test helper
+from cluster_harness import ClusterHarness, await_state  # noqa: I001 - shared test helpers
 
 from cluster.client import DuetError
 from cluster.config import ConfigError
@@ -101,23 +101,6 @@ def reference(cluster, prompt, params) -> tuple[int, ...]:
     """The tokens of a fault-free run (a request id no fault rule matches)."""
     with cluster.client(timeout_s=120) as client:
         return client.complete(prompt, client_request_id=f"ref-{time.monotonic_ns()}", **params).token_ids
-
-
-def await_state(client, request_id: str, state: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = client.get_request(request_id).state
-        except DuetError as error:
-            if error.code != grpc.StatusCode.NOT_FOUND:
-                raise
-        if last == state:
-            return
-        if last in ("COMPLETE", "ERROR", "ABORTED"):
-            break
-        time.sleep(0.05)
-    raise AssertionError(f"{request_id} never reached {state} (last {last})")
 
 
 def wait_healthy(cluster, timeout_s: float = 120.0) -> None:

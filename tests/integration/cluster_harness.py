@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,3 +32,25 @@ def local_ray_cluster(num_cpus: int = 4) -> Iterator[Any]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def await_state(client: Any, request_id: str, state: str, timeout_s: float = 60.0) -> None:
+    """Poll GetRequest until the request is in `state`; fail on timeout or when it ended first."""
+    import grpc
+
+    from cluster.client import DuetError
+
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = client.get_request(request_id).state
+        except DuetError as error:
+            if error.code != grpc.StatusCode.NOT_FOUND:
+                raise
+        if last == state:
+            return
+        if last in ("COMPLETE", "ERROR", "ABORTED"):
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"{request_id} never reached {state} (last {last})")

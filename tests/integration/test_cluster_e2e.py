@@ -13,7 +13,7 @@ import time
 
 import grpc
 import pytest
-from cluster_harness import ClusterHarness
+from cluster_harness import ClusterHarness, await_state
 
 from cluster.client import DuetError
 from cluster.deploy_config import ClusterConfig
@@ -100,21 +100,6 @@ def test_disaggregated_equals_colocated_through_grpc(ray_cluster, disagg) -> Non
 STATES = [("in-wait", "CONTEXT_WAIT"), ("in-ctx", "CONTEXT_IN_PROGRESS"), ("in-init", "GENERATION_INIT"), ("in-trans", "TRANSMISSION"), ("in-gen", "GENERATING")]
 
 
-def _await_state(client, request_id: str, state: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = client.get_request(request_id).state
-        except DuetError as error:
-            if error.code != grpc.StatusCode.NOT_FOUND:
-                raise
-        if last == state:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{request_id} never reached {state} (last {last})")
-
-
 @pytest.mark.parametrize(("suffix", "state"), STATES, ids=[s for _, s in STATES])
 @pytest.mark.parametrize("how", ["abort", "deadline", "cancel"])
 def test_abort_deadline_and_cancel_in_every_state_free_every_block(disagg, suffix, state, how) -> None:
@@ -133,7 +118,7 @@ def test_abort_deadline_and_cancel_in_every_state_free_every_block(disagg, suffi
                 stream.result(timeout=60)
             assert error.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         else:
-            _await_state(client, request_id, state)
+            await_state(client, request_id, state, timeout_s=30.0)
             if how == "abort":
                 assert client.abort(request_id).aborted
                 events = stream.result(timeout=60)
