@@ -2,8 +2,8 @@
 
 Subject: the engine (scheduler, paged KV cache, sampler, detokenizer, stop checks included).
 Baseline: a bare loop over the same model weights with a dense, preallocated KV cache and argmax
-(worker.dense.DenseGenerator): no scheduler, no paging. Both greedy, both on the CPU, same thread
-count, same batch and lengths:
+(worker.dense.DenseGenerator): no scheduler, no paging. Both greedy, both on the same device (the
+CPU unless --device says otherwise), same thread count, same batch and lengths:
 
 - decode at batch 8 and 32 (prompts of 256 tokens, 32 decode steps timed after the prefill);
 - prefill of 8 x 512-token prompts (one forward step each side).
@@ -12,7 +12,7 @@ Models: the embedded default (tiny) and an 8-layer, hidden-512 one, in bf16 (and
 Targets, on the 8-layer model: engine/bare >= 0.8 for decode at batch 32 and >= 0.9 for prefill.
 It also reports the share of a decode step the scheduler takes.
 
-    python bench/engine_bench.py [--quick] [--threads N]
+    python bench/engine_bench.py [--quick] [--threads N] [--device cuda]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
 from worker.default_model import BENCH_SEED, bench_model_config, build_default_model, build_random_model  # noqa: E402
 from worker.dense import DenseGenerator  # noqa: E402
+from worker.device import resolve_device  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.engine_types import EngineConfig, SubmitRequest  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
@@ -42,11 +43,18 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(length)] for _ in range(batch)]
 
 
+def _sync() -> None:
+    """Wait for queued device work, so that a timer starts on an idle GPU (a no-op on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def bare_decode(model, prompts, steps: int) -> float:
     """Seconds for `steps` decode steps of the whole batch (after an untimed prefill)."""
     generator = DenseGenerator(model, len(prompts), len(prompts[0]) + steps + 1)
     logits = generator.prefill(prompts)
     token = logits.argmax(dim=-1)
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         token = generator.decode_step(token).argmax(dim=-1)
@@ -95,6 +103,7 @@ def engine_decode(model, tokenizer, prompts, steps: int) -> tuple[float, float]:
     engine.step()  # first decode step (untimed warm-up)
     timed = _TimedScheduler(engine.scheduler)
     engine.scheduler = timed
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -104,6 +113,7 @@ def engine_decode(model, tokenizer, prompts, steps: int) -> tuple[float, float]:
 
 def bare_prefill(model, prompts) -> float:
     generator = DenseGenerator(model, len(prompts), len(prompts[0]) + 1)
+    _sync()
     start = time.perf_counter()
     generator.prefill(prompts).argmax(dim=-1).tolist()
     return time.perf_counter() - start
@@ -114,6 +124,7 @@ def engine_prefill(model, tokenizer, prompts) -> float:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(SubmitRequest(f"p{index}", tuple(prompt), params))
+    _sync()
     start = time.perf_counter()
     while engine.has_work():
         engine.step()
@@ -130,7 +141,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model only, short runs (CI smoke)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fp32", action="store_true", help="run in float32 instead of bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (both sides run there)")
     args = parser.parse_args()
+    device = resolve_device(args.device)
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     repeats = 1 if args.quick else 3
@@ -139,12 +152,12 @@ def main() -> int:
     prefill_len = 128 if args.quick else 512
 
     tokenizer = ByteTokenizer()
-    models = {"tiny": build_default_model(dtype=dtype, device="cpu")[0]}
+    models = {"tiny": build_default_model(dtype=dtype, device=str(device))[0]}
     if not args.quick:
-        models["8L-512"] = build_random_model(bench_model_config(), BENCH_SEED, dtype=dtype, device=torch.device("cpu"))
+        models["8L-512"] = build_random_model(bench_model_config(), BENCH_SEED, dtype=dtype, device=device)
 
     rows = []
-    figures: dict[str, float] = {}
+    figures: dict[str, float | str] = {}
     targets: dict[str, Target] = {}
     with torch.inference_mode():
         for name, model in models.items():
@@ -179,7 +192,9 @@ def main() -> int:
             if name == "8L-512":
                 targets["8L-512_prefill_engine_over_bare"] = Target(ratio, 0.9, True)
 
-    print(f"dtype {str(dtype).replace('torch.', '')}, {args.threads} torch threads, CPU")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"dtype {str(dtype).replace('torch.', '')}, {args.threads} torch threads, {where}")
+    figures["device"] = where
     print_table(["model", "workload", "bare tok/s", "engine tok/s", "engine/bare", "scheduler share"], rows)
     emit_result("engine_bench", figures, targets)
     return 0

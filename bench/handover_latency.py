@@ -6,7 +6,7 @@ MIXED instance, the same router). For each run it records the client-side gap be
 the second token; the difference of the medians is what the hand-over costs (reservation, push,
 commit, first decode step on the receiver). Both sides run in the same process, interleaved.
 
-    python bench/handover_latency.py [--quick] [--prompt-tokens 2048] [--repeats 5]
+    python bench/handover_latency.py [--quick] [--prompt-tokens 2048] [--repeats 5] [--device cuda] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from worker.tokenizer import ByteTokenizer  # noqa: E402
 TOKEN = "handover-bench-token-0123456789abcdef"
 
 
-def _instance(name: str, role: InstanceRole, threads: int) -> Instance:
+def _instance(name: str, role: InstanceRole, args) -> Instance:
     engine = EngineConfig(role=role, num_blocks=1024, tokens_per_block=16, max_num_tokens=4096, chunk_unit_tokens=512)
-    return Instance(InstanceSpec(name, engine, dtype="float32", device="cpu", cluster_token=TOKEN, torch_threads=threads))
+    spec = InstanceSpec(name, engine, dtype=args.dtype, device=args.device, cluster_token=TOKEN, torch_threads=args.threads)
+    return Instance(spec)
 
 
 async def _gap_s(router: Router, prompt: list[int]) -> tuple[float, float]:
@@ -57,9 +58,9 @@ async def _run(args) -> dict[str, list[tuple[float, float]]]:
         {"health": {"heartbeat_interval_s": 0.5, "dead_after_s": 10.0}, "placement": {"disaggregation": "never"}}
     )
     instances = {
-        "p0": _instance("p0", InstanceRole.PREFILL, args.threads),
-        "g0": _instance("g0", InstanceRole.GENERATION, args.threads),
-        "m0": _instance("m0", InstanceRole.MIXED, args.threads),
+        "p0": _instance("p0", InstanceRole.PREFILL, args),
+        "g0": _instance("g0", InstanceRole.GENERATION, args),
+        "m0": _instance("m0", InstanceRole.MIXED, args),
     }
     routers = {}
     try:
@@ -92,12 +93,14 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where all three instances run")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     if args.quick:
         args.prompt_tokens, args.repeats = 512, 2
     results = asyncio.run(_run(args))
     rows = []
-    figures: dict[str, float] = {"prompt_tokens": args.prompt_tokens}
+    figures: dict[str, float | str] = {"prompt_tokens": args.prompt_tokens, "device": args.device, "dtype": args.dtype}
     for name, runs in results.items():
         ttft = statistics.median(r[0] for r in runs)
         gap = statistics.median(r[1] for r in runs)
@@ -106,7 +109,7 @@ def main() -> int:
         rows.append([name, ttft * 1000, gap * 1000])
     added = figures["disaggregated_first_to_second_token_ms"] - figures["mixed_first_to_second_token_ms"]
     figures["handover_added_delay_ms"] = round(added, 2)
-    print(f"prompt of {args.prompt_tokens} tokens, default model, fp32, CPU, {args.repeats} runs (medians)")
+    print(f"prompt of {args.prompt_tokens} tokens, default model, {args.dtype}, {args.device}, {args.repeats} runs (medians)")
     print_table(["mode", "TTFT ms", "first->second token ms"], rows)
     print(f"the hand-over adds {added:.1f} ms between the first and the second token")
     emit_result("handover_latency", figures, {})
