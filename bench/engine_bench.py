@@ -9,6 +9,9 @@ CPU unless --device says otherwise), same thread count, same batch and lengths:
 - prefill of 8 x 512-token prompts (one forward step each side).
 
 Models: the embedded default (tiny) and an 8-layer, hidden-512 one, in bf16 (and fp32 with --fp32).
+The timed runs repeat the warm-up's shapes. On CUDA it also runs decode on fresh shapes (prompt
+lengths no earlier run had, as in serving) with torch's own SDPA kernel choice against duet's
+(worker.attention.CUDA_SDPA_BACKENDS, cuDNN's kernel off), interleaved.
 Targets, on the 8-layer model: engine/bare >= 0.8 for decode at batch 32 and >= 0.9 for prefill.
 It also reports the share of a decode step the scheduler takes.
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
+from worker import attention  # noqa: E402
 from worker.default_model import BENCH_SEED, bench_model_config, build_default_model, build_random_model  # noqa: E402
 from worker.dense import DenseGenerator  # noqa: E402
 from worker.device import resolve_device  # noqa: E402
@@ -131,6 +135,39 @@ def engine_prefill(model, tokenizer, prompts) -> float:
     return time.perf_counter() - start
 
 
+def fresh_shape_decode_s(model, tokenizer, batch: int, prompt_len: int, steps: int) -> float:
+    """Seconds per engine decode step on lengths no earlier run used (per-shape setup included)."""
+    prompts = _prompts(batch, prompt_len, seed=prompt_len)
+    engine = _engine(model, tokenizer, batch, prompt_len + steps + 2)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(SubmitRequest(f"f{index}", tuple(prompt), params))
+    while engine.num_forward_tokens < batch * prompt_len:
+        engine.step()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    return (time.perf_counter() - start) / steps
+
+
+def compare_sdpa_choice(model, tokenizer, batch: int, steps: int, rounds: int) -> tuple[float, float]:
+    """(torch's choice, duet's) median seconds per fresh-shape decode step, interleaved round by round."""
+    ours = attention.CUDA_SDPA_BACKENDS
+    seconds: dict[str, list[float]] = {"torch": [], "duet": []}
+    prompt_len = 200
+    try:
+        for _ in range(rounds):
+            for name, backends in (("torch", None), ("duet", ours)):
+                attention.CUDA_SDPA_BACKENDS = backends
+                prompt_len += steps + 7  # past every length an earlier run decoded through
+                seconds[name].append(fresh_shape_decode_s(model, tokenizer, batch, prompt_len, steps))
+    finally:
+        attention.CUDA_SDPA_BACKENDS = ours
+    return statistics.median(seconds["torch"]), statistics.median(seconds["duet"])
+
+
 def _median(fn, repeats: int) -> float:
     fn()  # warm-up: first calls pay for kernel selection and allocations
     return statistics.median(fn() for _ in range(repeats))
@@ -192,10 +229,23 @@ def main() -> int:
             if name == "8L-512":
                 targets["8L-512_prefill_engine_over_bare"] = Target(ratio, 0.9, True)
 
+        if device.type == "cuda":
+            sdpa_rows = []
+            for name, model in models.items():
+                progress(f"engine_bench: {name} decode batch 32 on fresh shapes, torch's SDPA choice vs duet's ...")
+                torch_s, duet_s = compare_sdpa_choice(model, tokenizer, 32, decode_steps, rounds=2)
+                figures[f"{name}_fresh_shapes_decode_b32_torch_sdpa_ms"] = round(torch_s * 1000, 3)
+                figures[f"{name}_fresh_shapes_decode_b32_duet_sdpa_ms"] = round(duet_s * 1000, 3)
+                figures[f"{name}_fresh_shapes_decode_b32_speedup"] = round(torch_s / duet_s, 3)
+                sdpa_rows.append([name, torch_s * 1000, duet_s * 1000, torch_s / duet_s])
+
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"dtype {str(dtype).replace('torch.', '')}, {args.threads} torch threads, {where}")
     figures["device"] = where
     print_table(["model", "workload", "bare tok/s", "engine tok/s", "engine/bare", "scheduler share"], rows)
+    if device.type == "cuda":
+        print("\ndecode b=32 on fresh shapes (ms per step): torch's SDPA kernel choice vs duet's (no cuDNN)")
+        print_table(["model", "torch choice", "duet", "speed-up"], sdpa_rows)
     emit_result("engine_bench", figures, targets)
     return 0
 
