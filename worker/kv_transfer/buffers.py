@@ -5,10 +5,14 @@ The buffer is laid out as [num_layers, 2, num_blocks, T, H, D] (worker/kv_layout
 request's blocks in order). A range covering every block of a run of layers is contiguous and is
 read without a copy; any other range consists of one row per (layer, K|V), which `read` gathers
 into one bytes object and `read_parts` hands out as views (the sender builds its frame from those
-views directly, saving a copy of every chunk).
+views directly, saving a copy of every chunk). Writes copy with numpy, which releases the GIL (a
+memoryview slice assignment holds it), so the receiver's streams and gRPC's own threads copy in
+parallel, as they do into an engine's torch cache.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from worker.kv_layout import KvLayout
 
@@ -30,6 +34,7 @@ class LinearKvBuffer:
         self.num_blocks = num_blocks
         self._storage = storage
         self._view = memoryview(storage)
+        self._array = np.frombuffer(storage, dtype=np.uint8)
         # Bytes of one block's K (or V) in one layer.
         self._half_block_bytes = layout.block_bytes_per_layer // 2
 
@@ -71,12 +76,13 @@ class LinearKvBuffer:
         expected = self.layout.run_bytes(layer_end - layer_start, block_end - block_start)
         if len(data) != expected:
             raise BufferRangeError(f"data holds {len(data)} bytes, the range needs {expected}")
-        source = memoryview(data)
+        source = np.frombuffer(data, dtype=np.uint8)
+        target = self._array
         if block_start == 0 and block_end == self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers:
             layer_bytes = self.layout.run_bytes(1, self.num_blocks)
-            self._view[layer_start * layer_bytes : layer_end * layer_bytes] = source
+            np.copyto(target[layer_start * layer_bytes : layer_end * layer_bytes], source)
             return
         position = 0
         for offset, length in self._rows(layer_start, layer_end, block_start, block_end):
-            self._view[offset : offset + length] = source[position : position + length]
+            np.copyto(target[offset : offset + length], source[position : position + length])
             position += length

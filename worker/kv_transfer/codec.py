@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 from duet_wire.v1 import kv_transfer_pb2 as pb
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
+from worker.kv_transfer.frames import join_frame
 from worker.kv_transfer.plan import ChunkSpec
 
 MAX_HEADER_BYTES = 4096
@@ -142,7 +143,7 @@ def encode_chunk_parts(header: pb.KvChunkHeader, parts: Sequence[Buffer]) -> byt
     part (a range gathered from several places of the source is not joined twice)."""
     header_bytes = header.SerializeToString()
     data_length = sum(len(part) for part in parts)
-    return b"".join(
+    return join_frame(
         (
             bytes((_HEADER_TAG,)),
             _encode_varint(len(header_bytes)),
