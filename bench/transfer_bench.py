@@ -24,14 +24,18 @@ several runs; ranges in brackets):
       the GIL on large buffers.
   one copy fewer on send: frames are built from the source's (layer, K|V) rows in one join
       (TransferPartsSource.read_parts) instead of gathering the rows and then joining header + data.
-  what remains is gRPC Python's own cost. The bare gRPC stream reaches only about 0.55-0.75 of raw TCP
-      here: on send it copies every message once more into a gRPC slice (with the GIL held), on
-      receive it copies each message out of its slices into bytes objects and joins them, all in
-      the server's one completion-queue thread, with the GIL held. duet reaches about 0.8-0.9 of
-      the bare stream; the rest is the one unavoidable write into the target, the checksums, and
-      the sender's frame copy.
-  --streams/--connections: 2 over 2 is the default; see the report in the final summary of
-      the change for the sweep. --chunk-mib: 1-4 within noise; below 1 MiB per-message overhead shows.
+  GIL-free copies: a `b"".join` of views over mutable memory and a memoryview slice assignment both
+      copy with the GIL held, so the chunk copies of parallel streams ran one at a time. Frames are
+      now filled with numpy copies (worker/kv_transfer/frames.py) and targets written with numpy.
+      On a 16-core host (the H200 machine, 2026-11-30): duet/raw TCP 0.66-0.69 -> 0.80-0.81 with
+      2 streams over 2 connections, 1.04-1.05 with 4 over 4 (the new default; duet 3.5 GB/s, raw
+      TCP 3.3); bare gRPC 0.85-0.93. On the 2-core development machine nothing moved: 0.43-0.53.
+  what remains on 2 cores is gRPC Python's own cost. The bare gRPC stream reaches only 0.58-0.76 of
+      raw TCP there: the receiving process is bound at about 1.1-1.2 cores by gRPC's completion-queue
+      thread copying each message out of its slices with the GIL held (measured with a bare server:
+      HTTP/2 frame size, BDP probing, the asyncio server and GIL-free sink copies do not move it).
+  --streams/--connections: 4 over 4 is the default (above); on 2 cores 2x2 and 4x4 measure alike.
+      --chunk-mib: 1-4 within noise; below 1 MiB per-message overhead shows.
   malloc tuning (default on; --no-tune-malloc): receiver system time about 2.0 -> 0.6 CPU-s/GiB
       (worker/kv_transfer/malloc_tuning.py).
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and GPU figures in one run, for a lent GPU machine (see README "GPU checks").
+# The GPU checks and GPU figures in one run, for a machine with CUDA (README, "Tests").
 #
 # That machine has its own python3 with a CUDA torch but no Ray and no registry access: this script
 # uses that python3, installs grpcio/protobuf from wheels carried in .gpu_wheels/ when present (the
