@@ -4,7 +4,12 @@ For 256, 1024 and 4096 active requests (about 90% generating with 1-4k tokens of
 prompts of 1-4k tokens, chunked prefill on, prefix reuse on), with the KV pool roomy and under
 pressure (so MAX_UTILIZATION pauses), it times both scheduler levels together for each capacity
 policy. Between timed calls a model-free executor advances the requests (untimed), so the state
-evolves as in a real engine. The floor is one Python loop reading one attribute of each request.
+evolves as in a real engine, and keeps the mix steady: for each prompt that finished its context
+in a step, the oldest generating request finishes and a new prompt arrives at the tail. So every
+size is measured at N requests with about 10% new prompts at every step (left alone, 256 requests
+drain their 26 prompts within a few steps and would be timed on a different mix than 4096, whose
+prompts wait for hundreds of steps). The floor is one Python loop reading one attribute of each
+request.
 
 Targets: at 4096 requests every policy costs at most 30x the floor per request; and the cost per
 request at 4096 is within 1.3x of the cost at 256 (nothing super-linear, pause loop included).
@@ -44,17 +49,20 @@ MAX_NEW_TOKENS = 100_000  # generating requests never finish during the run
 MAX_SEQ_LEN = 4096 + MAX_NEW_TOKENS
 
 
+def new_prompt(request_id: int, rng: random.Random) -> LlmRequest:
+    context_len = rng.randint(1024, 4096)
+    return LlmRequest(request_id, [rng.randrange(32000) for _ in range(context_len)], MAX_NEW_TOKENS)
+
+
 def build(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, seed: int):
     rng = random.Random(seed)
     num_generating = num_requests * 9 // 10
     requests = []
     blocks_held = 0
     for request_id in range(num_requests):
-        context_len = rng.randint(1024, 4096)
-        prompt = [rng.randrange(32000) for _ in range(context_len)]
-        requests.append(LlmRequest(request_id, prompt, MAX_NEW_TOKENS))
+        requests.append(new_prompt(request_id, rng))
         if request_id < num_generating:
-            blocks_held += -(-context_len // TOKENS_PER_BLOCK)
+            blocks_held += -(-requests[-1].prompt_len // TOKENS_PER_BLOCK)
     # Roomy: everything (prompts included) fits twice over. Pressure: what the generating requests
     # hold plus 1% slack, so growth and new prompts force MAX_UTILIZATION to pause.
     total_prompt_blocks = sum(-(-r.prompt_len // TOKENS_PER_BLOCK) for r in requests)
@@ -95,6 +103,8 @@ def floor_ns_per_request(requests: list[LlmRequest], repeats: int) -> float:
 def run_case(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, steps: int) -> tuple[float, int]:
     requests, kv, scheduler = build(num_requests, pressure, policy, seed=num_requests)
     executor = SimulatedExecutor(kv)
+    rng = random.Random(num_requests + 1)
+    next_id = num_requests
     samples = []
     pauses = 0
     gc.collect()
@@ -107,6 +117,18 @@ def run_case(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy,
             pauses += len(output.paused)
             executor.prepare(output)
             executor.complete(output)
+            # Steady mix (untimed): each prompt that became a generating request replaces the
+            # oldest generating request, which finishes, and a new prompt arrives at the tail.
+            started = {id(r) for r in output.context if r.state is LlmRequestState.GENERATION_IN_PROGRESS}
+            retire = [r for r in requests if r.state is LlmRequestState.GENERATION_IN_PROGRESS and id(r) not in started]
+            retired = {id(r) for r in retire[: len(started)]}
+            for request in retire[: len(started)]:
+                request.set_state(LlmRequestState.GENERATION_COMPLETE)
+                kv.remove_sequence(request.request_id, request)
+            requests = [r for r in requests if id(r) not in retired]
+            for _ in range(len(retired)):
+                requests.append(new_prompt(next_id, rng))
+                next_id += 1
     finally:
         gc.enable()
     # Median over steps: robust to a noisy neighbour on a shared machine.
