@@ -301,6 +301,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
         scheduled_pages = 0
         tasks: set[int] = set()
         scheduled: list[LlmRequest] = []
+        append = scheduled.append
+        num_scheduled = 0  # len(scheduled), kept by hand: this loop runs once per active request
         paused: list[LlmRequest] = []
         any_disagg = False
         index = 0
@@ -309,7 +311,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
             request = active[index]
             state = request.state
             if fast and state is _GEN_IN_PROGRESS and request.is_plain and not request.draft_tokens:
-                if len(scheduled) < limit:
+                if num_scheduled < limit:
                     sequence = request.kv_sequence
                     if sequence is not None and not sequence.released:
                         current = sequence.num_tokens
@@ -323,7 +325,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
                     else:
                         need = needed(request)
                     if free >= scheduled_blocks + need:
-                        scheduled.append(request)
+                        append(request)
+                        num_scheduled += 1
                         scheduled_blocks += need
                         index += 1
                         continue
@@ -341,7 +344,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
                     if skip:
                         index += 1
                         continue
-                if len(scheduled) < limit:
+                if num_scheduled < limit:
                     need = needed(request)
                     cross_need = cross.needed_blocks_one_step(request) if cross is not None else 0
                     task = request.lora_task_id
@@ -353,7 +356,8 @@ class MaxUtilizationScheduler(CapacityScheduler):
                         and (cross is None or cross.scheduling_has_free_blocks(cross_scheduled_blocks + cross_need))
                         and scheduled_pages + pages <= max_pages
                     ):
-                        scheduled.append(request)
+                        append(request)
+                        num_scheduled += 1
                         any_disagg = any_disagg or state is _GEN_INIT
                         scheduled_blocks += need
                         cross_scheduled_blocks += cross_need
