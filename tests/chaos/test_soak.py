@@ -285,10 +285,12 @@ def test_reprefill_elsewhere_without_another_prefill_instance_falls_through_to_r
     PREFILL instance (so no other to re-run on) and a receiver that refuses both transfers."""
     import asyncio
 
+    from local_cluster import collect
+
     from cluster.config import RouterConfig
     from cluster.instance_client import LocalInstanceClient
     from cluster.router import Router
-    from cluster.router_types import ClientRequest, FinalEvent, Outcome, TokenEvent
+    from cluster.router_types import ClientRequest, FinalEvent, Outcome
     from worker.engine_types import EngineConfig
     from worker.instance import Instance, InstanceSpec
     from worker.sampling import SamplingParams
@@ -324,16 +326,7 @@ def test_reprefill_elsewhere_without_another_prefill_instance_falls_through_to_r
         try:
             for item in instances:
                 await router.add_instance(LocalInstanceClient(item))
-            handle = await router.submit(ClientRequest(None, prompt, params, client_request_id="r"))
-            tokens: list[int] = []
-            final = None
-            async for event in handle.events():
-                if isinstance(event, TokenEvent):
-                    tokens.extend(event.token_ids)
-                else:
-                    final = event
-            assert final is not None
-            return tokens, final
+            return await collect(await router.submit(ClientRequest(None, prompt, params, client_request_id="r")))
         finally:
             await router.stop()
             for item in instances:

@@ -81,16 +81,7 @@ class Cluster:
                 instance.shutdown()
 
     async def run(self, prompt, params, **kw) -> tuple[list[int], FinalEvent]:
-        handle = await self.router.submit(ClientRequest(None, tuple(prompt), params, **kw))
-        tokens: list[int] = []
-        final = None
-        async for event in handle.events():
-            if isinstance(event, TokenEvent):
-                tokens.extend(event.token_ids)
-            else:
-                final = event
-        assert final is not None
-        return tokens, final
+        return await collect(await self.router.submit(ClientRequest(None, tuple(prompt), params, **kw)))
 
     async def free_blocks_settle(self, timeout_s: float = 10.0) -> dict[str, tuple[int, int]]:
         """Wait until every live instance reports all blocks free (cached-but-free count as free)."""
@@ -106,6 +97,19 @@ class Cluster:
             if all(free == total for free, total in seen.values()) or loop.time() > deadline:
                 return seen
             await asyncio.sleep(0.05)
+
+
+async def collect(handle) -> tuple[list[int], FinalEvent]:
+    """Every token of a submitted request's event stream, and its final event."""
+    tokens: list[int] = []
+    final = None
+    async for event in handle.events():
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+        else:
+            final = event
+    assert final is not None
+    return tokens, final
 
 
 def run(coro):
