@@ -361,6 +361,41 @@ class BlockManager:
         # identity is in it to keep apart equal chains that diverged on an evicted block.
         return (request.lora_task_id, id(parent) if parent is not None else None, digests[len(matched)])
 
+    def first_chunk_admission(self, request: LlmRequest) -> tuple[tuple | None, int, int]:
+        """For a plain context request at its first chunk, with reuse on and no cross pool (the hot
+        path of MAX_UTILIZATION's admission): (`find_new_context_block`'s key,
+        `needed_blocks_one_step`'s need, the reusable blocks it credited) from one walk of the
+        tree. Unlike `needed_blocks_one_step` it leaves `estimated_reusable_tokens` to the caller
+        (reusable * tokens_per_block), which sets it only when the request is not skipped."""
+        tpb = self.tokens_per_block
+        cfg = self.config
+        digests = request.block_digests
+        if digests is None:
+            digests = self._digests(request)
+        walk = request.prefix_walk  # _matched's cache, checked inline (this runs for every new prompt every step)
+        if walk is not None and walk[0] is self and walk[1] == self._tree_version:
+            matched = walk[2]
+        else:
+            matched = self._matched(request)
+        if digests and len(matched) != len(digests):
+            parent = matched[-1] if matched else None
+            key = (request.lora_task_id, id(parent) if parent is not None else None, digests[len(matched)])
+        else:
+            key = None
+        prompt_cache_len = (
+            min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
+            + cfg.sink_token_len
+        )
+        full_blocks = prompt_cache_len // tpb
+        need = full_blocks + (request.beam_width if prompt_cache_len % tpb else 0)
+        reusable = 0
+        if matched and request.lora_task_id in self._roots:
+            ref = self._ref
+            credited = matched[: (request.prompt_len - 1) // tpb]
+            reusable = min(sum(1 for node in credited if ref[node.block_id] > 0), full_blocks)
+            need -= reusable
+        return key, need, reusable
+
     # --- sequence operations ------------------------------------------------------------------
     def add_sequence(self, request: LlmRequest, num_tokens: int | None = None, *, reuse: bool = True) -> int:
         """Allocate blocks for the request's prompt (or `num_tokens`, e.g. an encoder output).
