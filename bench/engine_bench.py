@@ -9,9 +9,10 @@ CPU unless --device says otherwise), same thread count, same batch and lengths:
 - prefill of 8 x 512-token prompts (one forward step each side).
 
 Models: the embedded default (tiny) and an 8-layer, hidden-512 one, in bf16 (and fp32 with --fp32).
-The timed runs repeat the warm-up's shapes. On CUDA it also runs decode on fresh shapes (prompt
-lengths no earlier run had, as in serving) with torch's own SDPA kernel choice against duet's
-(worker.attention.CUDA_SDPA_BACKENDS, cuDNN's kernel off), interleaved.
+The timed runs repeat the warm-up's shapes. On CUDA both sides run with cuDNN's SDPA kernel off (as
+engines set it: worker.attention.disable_cudnn_attention), and it also runs decode on fresh shapes
+(prompt lengths no earlier run had, as in serving) with cuDNN's kernel on (torch's default choice)
+against off (duet's), interleaved.
 Targets, on the 8-layer model: engine/bare >= 0.8 for decode at batch 32 and >= 0.9 for prefill.
 It also reports the share of a decode step the scheduler takes.
 
@@ -32,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
-from worker import attention  # noqa: E402
+from worker.attention import disable_cudnn_attention  # noqa: E402
 from worker.default_model import BENCH_SEED, bench_model_config, build_default_model, build_random_model  # noqa: E402
 from worker.dense import DenseGenerator  # noqa: E402
 from worker.device import resolve_device  # noqa: E402
@@ -135,10 +136,12 @@ def engine_prefill(model, tokenizer, prompts) -> float:
     return time.perf_counter() - start
 
 
-def fresh_shape_decode_s(model, tokenizer, batch: int, prompt_len: int, steps: int) -> float:
-    """Seconds per engine decode step on lengths no earlier run used (per-shape setup included)."""
+def fresh_shape_decode_s(model, tokenizer, batch: int, prompt_len: int, steps: int, cudnn_on: bool) -> float:
+    """Seconds per engine decode step on lengths no earlier run used (per-shape setup included), with
+    cuDNN's SDPA kernel on or off (set after the engine, which turns it off, is built)."""
     prompts = _prompts(batch, prompt_len, seed=prompt_len)
     engine = _engine(model, tokenizer, batch, prompt_len + steps + 2)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_on)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(SubmitRequest(f"f{index}", tuple(prompt), params))
@@ -153,19 +156,17 @@ def fresh_shape_decode_s(model, tokenizer, batch: int, prompt_len: int, steps: i
 
 
 def compare_sdpa_choice(model, tokenizer, batch: int, steps: int, rounds: int) -> tuple[float, float]:
-    """(torch's choice, duet's) median seconds per fresh-shape decode step, interleaved round by round."""
-    ours = attention.CUDA_SDPA_BACKENDS
-    seconds: dict[str, list[float]] = {"torch": [], "duet": []}
+    """(cuDNN's SDPA kernel on, off) median seconds per fresh-shape decode step, interleaved round by round."""
+    seconds: dict[bool, list[float]] = {True: [], False: []}
     prompt_len = 200
     try:
         for _ in range(rounds):
-            for name, backends in (("torch", None), ("duet", ours)):
-                attention.CUDA_SDPA_BACKENDS = backends
+            for cudnn_on in (True, False):
                 prompt_len += steps + 7  # past every length an earlier run decoded through
-                seconds[name].append(fresh_shape_decode_s(model, tokenizer, batch, prompt_len, steps))
+                seconds[cudnn_on].append(fresh_shape_decode_s(model, tokenizer, batch, prompt_len, steps, cudnn_on))
     finally:
-        attention.CUDA_SDPA_BACKENDS = ours
-    return statistics.median(seconds["torch"]), statistics.median(seconds["duet"])
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return statistics.median(seconds[True]), statistics.median(seconds[False])
 
 
 def _median(fn, repeats: int) -> float:
@@ -181,6 +182,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (both sides run there)")
     args = parser.parse_args()
     device = resolve_device(args.device)
+    if device.type == "cuda":
+        disable_cudnn_attention()  # what the engine sets; the bare loop runs under the same kernels
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.fp32 else torch.bfloat16
     repeats = 1 if args.quick else 3

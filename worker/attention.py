@@ -26,28 +26,25 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from worker.kv_cache import PagedKvCache
 
 logger = logging.getLogger(__name__)
 
-# SDPA kernels allowed on CUDA: every one but cuDNN's. cuDNN's attention builds an execution plan
-# for each new shape (about 12 ms per call on an H200, measured with tests/gpu/device_check.sh's
-# engine probe), and a serving step's shapes change every step (context lengths grow, batches
-# change); the others need no per-shape setup. None: leave torch's choice (benches compare).
-CUDA_SDPA_BACKENDS: list[SDPBackend] | None = [
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
 
+def disable_cudnn_attention() -> None:
+    """Turn cuDNN's SDPA kernel off for this process (engines on CUDA call it; idempotent).
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    if q.is_cuda and CUDA_SDPA_BACKENDS is not None:
-        with sdpa_kernel(CUDA_SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    cuDNN's attention builds an execution plan for each new shape, about 12 ms per call on an H200,
+    and a serving step's shapes change every step (context lengths grow, batches change): decode on
+    fresh shapes measured 46-67 ms per step with it against 4.7-6.3 ms without (bench/engine_bench.py
+    --device cuda). Flash and memory-efficient attention need no per-shape setup. torch keeps one
+    process-wide switch; setting it once, rather than around each call, is what stays correct when
+    several engines step in one process on different threads.
+    """
+    if torch.cuda.is_available() and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        logger.info("cuDNN scaled-dot-product attention turned off for this process (it plans per shape)")
 
 
 class StepPlanError(ValueError):
@@ -308,7 +305,7 @@ def decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     folded = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = _sdpa(folded, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -317,7 +314,7 @@ def causal_attention(
 ) -> torch.Tensor:
     """Batched prefill. q [B, L, Hq, D]; k/v [B, S, Hkv, D]; mask [L, S] (None: plain causal, L == S) -> [B, L, Hq, D]."""
     gqa = q.shape[2] != k.shape[2]
-    out = _sdpa(
+    out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),

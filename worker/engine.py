@@ -40,7 +40,7 @@ from scheduler.config import ChunkingConfig, SchedulerConfig
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
-from worker.attention import SequenceChunk
+from worker.attention import SequenceChunk, disable_cudnn_attention
 from worker.detokenizer import IncrementalDetokenizer
 from worker.device import dtype_name
 from worker.engine_types import (
@@ -155,6 +155,8 @@ class Engine:
         )
         num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // self.layout.run_bytes(model_config.num_layers, 1))
         self.kv_cache = PagedKvCache(self.layout, num_blocks, model.device)
+        if model.device.type == "cuda":
+            disable_cudnn_attention()
         self.runner = ModelRunner(model, self.kv_cache)
         self.blocks = BlockManager(
             BlockManagerConfig(
