@@ -42,7 +42,7 @@ def test_join_frame_equals_join(parts) -> None:
 def test_large_frames_take_the_gil_free_path_on_cpython(monkeypatch) -> None:
     if sys.implementation.name != "cpython":
         pytest.skip("the GIL-free path is CPython's")
-    assert frames._ALLOCATOR is not None
+    assert frames._allocator() is not None
     calls = []
     real_copyto = np.copyto
 

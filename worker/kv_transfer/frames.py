@@ -8,15 +8,16 @@ uninitialized (`PyBytes_FromStringAndSize(NULL, n)`, the way C extensions make a
 are about to fill) and filled with numpy copies, which release the GIL. The object is not shared
 with anything until it is returned, so it is never seen half-filled or mutated after publication.
 
-CPython only (the data offset of a bytes object is an implementation detail, checked once at
-import); elsewhere, or for small frames, it falls back to `b"".join`.
+CPython only (the data offset of a bytes object is an implementation detail, checked on first
+use); elsewhere, or for small frames, it falls back to `b"".join`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -26,12 +27,14 @@ Buffer = bytes | bytearray | memoryview
 MIN_GIL_FREE_BYTES = 256 * 1024
 
 
-def _probe() -> tuple[object, int] | None:
+@functools.cache
+def _allocator() -> tuple[Callable[[None, int], bytes], int] | None:
+    """(an uninitialized-bytes constructor, the data offset in a bytes object), or None where the
+    layout is not CPython's. A private function object: ctypes.pythonapi's shared one is left alone."""
     if platform.python_implementation() != "CPython":
         return None
-    new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-    new_bytes.restype = ctypes.py_object
-    new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    prototype = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)
+    new_bytes = prototype(("PyBytes_FromStringAndSize", ctypes.pythonapi))
     # A bytes object's data starts at the last byte of its fixed part (ob_sval[1]).
     offset = bytes.__basicsize__ - 1
     sample = b"duet-frames-probe"
@@ -40,13 +43,8 @@ def _probe() -> tuple[object, int] | None:
     return new_bytes, offset
 
 
-_ALLOCATOR = _probe()
-
-
-def _writable(frame: bytes, size: int) -> np.ndarray:
-    assert _ALLOCATOR is not None
-    address = id(frame) + _ALLOCATOR[1]
-    return np.frombuffer((ctypes.c_char * size).from_address(address), dtype=np.uint8)
+def _writable(frame: bytes, size: int, offset: int) -> np.ndarray:
+    return np.frombuffer((ctypes.c_char * size).from_address(id(frame) + offset), dtype=np.uint8)
 
 
 def join_frame(parts: Sequence[Buffer]) -> bytes:
@@ -54,10 +52,12 @@ def join_frame(parts: Sequence[Buffer]) -> bytes:
     with the GIL released."""
     views = [memoryview(part) for part in parts]
     size = sum(view.nbytes for view in views)
-    if _ALLOCATOR is None or size < MIN_GIL_FREE_BYTES or not all(view.c_contiguous for view in views):
+    allocator = _allocator()
+    if allocator is None or size < MIN_GIL_FREE_BYTES or not all(view.c_contiguous for view in views):
         return b"".join(parts)
-    frame = _ALLOCATOR[0](None, size)
-    target = _writable(frame, size)
+    new_bytes, offset = allocator
+    frame = new_bytes(None, size)
+    target = _writable(frame, size, offset)
     position = 0
     for view in views:
         source = np.frombuffer(view, dtype=np.uint8)
