@@ -155,6 +155,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _new_block_key(request: LlmRequest, digests: list[int], matched: list[_ReuseNode]) -> tuple | None:
+    """`find_new_context_block`'s key from the request's digests and its matched path."""
+    if len(matched) == len(digests):
+        return None
+    parent = matched[-1] if matched else None
+    # The first missing block's chain hash names the whole prefix through it; the parent's
+    # identity is in it to keep apart equal chains that diverged on an evicted block.
+    return (request.lora_task_id, id(parent) if parent is not None else None, digests[len(matched)])
+
+
 class BlockManager:
     def __init__(self, config: BlockManagerConfig) -> None:
         self.config = config
@@ -353,13 +363,7 @@ class BlockManager:
         digests = self._digests(request)
         if not digests:
             return None
-        matched = self._matched(request)
-        if len(matched) == len(digests):
-            return None
-        parent = matched[-1] if matched else None
-        # The first missing block's chain hash names the whole prefix through it; the parent's
-        # identity is in it to keep apart equal chains that diverged on an evicted block.
-        return (request.lora_task_id, id(parent) if parent is not None else None, digests[len(matched)])
+        return _new_block_key(request, digests, self._matched(request))
 
     def first_chunk_admission(self, request: LlmRequest) -> tuple[tuple | None, int, int]:
         """For a plain context request at its first chunk, with reuse on and no cross pool (the hot
@@ -377,11 +381,7 @@ class BlockManager:
             matched = walk[2]
         else:
             matched = self._matched(request)
-        if digests and len(matched) != len(digests):
-            parent = matched[-1] if matched else None
-            key = (request.lora_task_id, id(parent) if parent is not None else None, digests[len(matched)])
-        else:
-            key = None
+        key = _new_block_key(request, digests, matched) if digests else None
         prompt_cache_len = (
             min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
             + cfg.sink_token_len
