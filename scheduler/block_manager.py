@@ -346,11 +346,27 @@ class BlockManager:
         # Only blocks that add_sequence will really share: the full blocks of the first P-1 tokens.
         # (TensorRT-LLM counts the full blocks of all P tokens here, which over-credits one block
         # when P is a multiple of tokens_per_block, so admission could over-commit the pool.)
-        matched = self._matched(request)[: (request.prompt_len - 1) // self.tokens_per_block]
+        matched = self._matched(request)
         if not only_allocated:
-            return len(matched)
+            return len(matched[: (request.prompt_len - 1) // self.tokens_per_block])
+        return self._allocated_credit(request, matched)
+
+    def _allocated_credit(self, request: LlmRequest, matched: list[_ReuseNode]) -> int:
+        """Of the matched blocks add_sequence would share (those of the first P-1 tokens), how many
+        some sequence holds."""
         ref = self._ref
-        return sum(1 for node in matched if ref[node.block_id] > 0)
+        return sum(1 for node in matched[: (request.prompt_len - 1) // self.tokens_per_block] if ref[node.block_id] > 0)
+
+    def _first_step_blocks(self, request: LlmRequest) -> tuple[int, int]:
+        """(full blocks, blocks needed before reuse credit) of a request's first context step."""
+        cfg = self.config
+        tpb = self.tokens_per_block
+        prompt_cache_len = (
+            min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
+            + cfg.sink_token_len
+        )
+        full_blocks = prompt_cache_len // tpb
+        return full_blocks, full_blocks + (request.beam_width if prompt_cache_len % tpb else 0)
 
     def find_new_context_block(self, request: LlmRequest) -> tuple | None:
         """A key naming the request's prefix through its first full block missing from the tree.
@@ -371,28 +387,13 @@ class BlockManager:
         `needed_blocks_one_step`'s need, the reusable blocks it credited) from one walk of the
         tree. Unlike `needed_blocks_one_step` it leaves `estimated_reusable_tokens` to the caller
         (reusable * tokens_per_block), which sets it only when the request is not skipped."""
-        tpb = self.tokens_per_block
-        cfg = self.config
-        digests = request.block_digests
-        if digests is None:
-            digests = self._digests(request)
-        walk = request.prefix_walk  # _matched's cache, checked inline (this runs for every new prompt every step)
-        if walk is not None and walk[0] is self and walk[1] == self._tree_version:
-            matched = walk[2]
-        else:
-            matched = self._matched(request)
+        digests = self._digests(request)
+        matched = self._matched(request)
         key = _new_block_key(request, digests, matched) if digests else None
-        prompt_cache_len = (
-            min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
-            + cfg.sink_token_len
-        )
-        full_blocks = prompt_cache_len // tpb
-        need = full_blocks + (request.beam_width if prompt_cache_len % tpb else 0)
+        full_blocks, need = self._first_step_blocks(request)
         reusable = 0
         if matched and request.lora_task_id in self._roots:
-            ref = self._ref
-            credited = matched[: (request.prompt_len - 1) // tpb]
-            reusable = min(sum(1 for node in credited if ref[node.block_id] > 0), full_blocks)
+            reusable = min(self._allocated_credit(request, matched), full_blocks)
             need -= reusable
         return key, need, reusable
 
@@ -581,12 +582,7 @@ class BlockManager:
         ):
             if cfg.is_cross_attention:
                 return _ceil_div(request.encoder_input_len or 0, tpb) if not is_disagg else 0
-            prompt_cache_len = (
-                min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
-                + cfg.sink_token_len
-            )
-            full_blocks = prompt_cache_len // tpb
-            need = full_blocks + (request.beam_width if prompt_cache_len % tpb else 0)
+            full_blocks, need = self._first_step_blocks(request)
             if self.enable_block_reuse and not is_disagg and request.lora_task_id in self._roots:
                 reusable = min(self.count_reusable_blocks(request, only_allocated=True), full_blocks)
                 need -= reusable

@@ -63,7 +63,8 @@ class _PrefixSkipper:
         self._active = active
         self._keys: set | None = None
 
-    def _registered(self) -> set:
+    def registered(self) -> set:
+        """The keys of C (started contexts and those admitted this step); built on first use."""
         if self._keys is None:
             keys = set()
             kv = self._kv
@@ -78,22 +79,18 @@ class _PrefixSkipper:
             self._keys = keys
         return self._keys
 
-    def registered(self) -> set:
-        """The keys of C (started contexts and those admitted this step); built on first use."""
-        return self._registered()
-
     def key_if_not_skipped(self, request: LlmRequest) -> tuple[bool, tuple | None]:
         """(skip?, key to register once admitted)."""
         key = self._kv.find_new_context_block(request)
         if key is None:
             return False, None
-        if key in self._registered():
+        if key in self.registered():
             return True, None
         return False, key
 
     def register(self, key: tuple | None) -> None:
         if key is not None:
-            self._registered().add(key)
+            self.registered().add(key)
 
 
 class CapacityScheduler:
