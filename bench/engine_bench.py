@@ -97,14 +97,20 @@ class _TimedScheduler:
             self.seconds += time.perf_counter() - start
 
 
-def engine_decode(model, tokenizer, prompts, steps: int) -> tuple[float, float]:
-    """(seconds for `steps` engine steps of pure decode, scheduler seconds within them)."""
+def _prefilled_engine(model, tokenizer, prompts, steps: int) -> Engine:
+    """An engine holding `prompts`, prefilled (untimed) and ready for `steps` decode steps."""
     engine = _engine(model, tokenizer, len(prompts), len(prompts[0]) + steps + 2)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(SubmitRequest(f"d{index}", tuple(prompt), params))
-    while engine.num_forward_tokens < len(prompts) * len(prompts[0]):  # prefill (untimed)
+    while engine.num_forward_tokens < len(prompts) * len(prompts[0]):
         engine.step()
+    return engine
+
+
+def engine_decode(model, tokenizer, prompts, steps: int) -> tuple[float, float]:
+    """(seconds for `steps` engine steps of pure decode, scheduler seconds within them)."""
+    engine = _prefilled_engine(model, tokenizer, prompts, steps)
     engine.step()  # first decode step (untimed warm-up)
     timed = _TimedScheduler(engine.scheduler)
     engine.scheduler = timed
@@ -138,15 +144,9 @@ def engine_prefill(model, tokenizer, prompts) -> float:
 
 def fresh_shape_decode_s(model, tokenizer, batch: int, prompt_len: int, steps: int, cudnn_on: bool) -> float:
     """Seconds per engine decode step on lengths no earlier run used (per-shape setup included), with
-    cuDNN's SDPA kernel on or off (set after the engine, which turns it off, is built)."""
-    prompts = _prompts(batch, prompt_len, seed=prompt_len)
-    engine = _engine(model, tokenizer, batch, prompt_len + steps + 2)
-    torch.backends.cuda.enable_cudnn_sdp(cudnn_on)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(SubmitRequest(f"f{index}", tuple(prompt), params))
-    while engine.num_forward_tokens < batch * prompt_len:
-        engine.step()
+    cuDNN's SDPA kernel on or off for those steps."""
+    engine = _prefilled_engine(model, tokenizer, _prompts(batch, prompt_len, seed=prompt_len), steps)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_on)  # after the engine turned it off; only decode is timed
     _sync()
     start = time.perf_counter()
     for _ in range(steps):
