@@ -117,6 +117,27 @@ class _ReuseNode:
         self.digest = b""
 
 
+class _PrefixWalk:
+    """A request's last walk of the reuse tree from its root: the matched nodes, where the walk
+    stopped (the children dict it looked in and the digest it did not find there, both None when
+    every full block matched or the task has no root) and `find_new_context_block`'s key.
+
+    Publishing only adds nodes, so it can extend a walk but never shorten it: the walk stays true
+    while no node has been removed and no root created (the manager's walk epoch) and its missing
+    digest is still missing. Checking that costs one dict lookup, where a version bumped by every
+    publication (every step of a busy engine) would force every waiting prompt to walk again."""
+
+    __slots__ = ("owner", "epoch", "matched", "children", "digest", "key")
+
+    def __init__(self, owner, epoch, matched, children, digest, key) -> None:
+        self.owner = owner
+        self.epoch = epoch
+        self.matched: list[_ReuseNode] = matched
+        self.children: dict[int, _ReuseNode] | None = children
+        self.digest: int | None = digest
+        self.key: tuple | None = key
+
+
 class KvSequence:
     """The blocks of one request. Full context blocks are shared by every beam; the rest is per beam."""
 
@@ -184,8 +205,10 @@ class BlockManager:
         self._sched_free = 0
         self._sched_ref: dict[int, int] = {}
         self._events: list[PrefixEvent] = []
-        self._tree_version = 0  # bumped whenever a node is published or unpublished
+        self._walk_epoch = 0  # bumped when a node is unpublished or a root created (see _PrefixWalk)
         self._max_token_num = config.max_token_num
+        self._max_attention_window = config.max_attention_window
+        self._sink_token_len = config.sink_token_len
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -252,7 +275,7 @@ class BlockManager:
         Free blocks of the subtree become plain free blocks, except `taken`, which the caller is
         about to reuse; held blocks stay with their holders, unpublished.
         """
-        self._tree_version += 1
+        self._walk_epoch += 1
         parent = node.parent
         if parent is not None and node.key is not None:
             parent.children.pop(node.child_key, None)
@@ -314,15 +337,26 @@ class BlockManager:
 
     def _matched(self, request: LlmRequest) -> list[_ReuseNode]:
         """The published nodes matching the request's full prompt blocks from the root, up to the
-        first miss; cached on the request until the tree changes."""
-        cached = request.prefix_walk
-        if cached is not None and cached[0] is self and cached[1] == self._tree_version:
-            return cached[2]
+        first miss."""
+        return self._walk(request).matched
+
+    def _walk(self, request: LlmRequest) -> _PrefixWalk:
+        """The request's walk of the tree, cached on the request while it stays true."""
+        walk = request.prefix_walk
+        if (
+            walk is not None
+            and walk.owner is self
+            and walk.epoch == self._walk_epoch
+            and (walk.children is None or walk.digest not in walk.children)
+        ):
+            return walk
         matched: list[_ReuseNode] = []
+        digests = self._digests(request)
+        children = None
+        digest = None
         root = self._roots.get(request.lora_task_id)
         if root is not None:
-            keys = self._keys(request)
-            digests = self._digests(request)
+            keys = request.block_keys
             children = root.children
             for index, digest in enumerate(digests):
                 node = children.get(digest)
@@ -330,8 +364,11 @@ class BlockManager:
                     break
                 matched.append(node)
                 children = node.children
-        request.prefix_walk = (self, self._tree_version, matched)
-        return matched
+            else:
+                children = digest = None  # every full block matched
+        walk = _PrefixWalk(self, self._walk_epoch, matched, children, digest, _new_block_key(request, digests, matched))
+        request.prefix_walk = walk
+        return walk
 
     def count_reusable_blocks(self, request: LlmRequest, only_allocated: bool) -> int:
         """Consecutive full blocks of the request's tokens already in the tree.
@@ -359,12 +396,13 @@ class BlockManager:
 
     def _first_step_blocks(self, request: LlmRequest) -> tuple[int, int]:
         """(full blocks, blocks needed before reuse credit) of a request's first context step."""
-        cfg = self.config
+        # min(P + drafts, W + max new tokens) + sink, without the calls (every waiting prompt, every step).
+        prompt_cache_len = request.prompt_len + len(request.draft_tokens)
+        longest = self._max_attention_window + request.max_new_tokens
+        if prompt_cache_len > longest:
+            prompt_cache_len = longest
+        prompt_cache_len += self._sink_token_len
         tpb = self.tokens_per_block
-        prompt_cache_len = (
-            min(request.prompt_len + len(request.draft_tokens), cfg.max_attention_window + request.max_new_tokens)
-            + cfg.sink_token_len
-        )
         full_blocks = prompt_cache_len // tpb
         return full_blocks, full_blocks + (request.beam_width if prompt_cache_len % tpb else 0)
 
@@ -376,10 +414,7 @@ class BlockManager:
         """
         if not self.enable_block_reuse:
             return None
-        digests = self._digests(request)
-        if not digests:
-            return None
-        return _new_block_key(request, digests, self._matched(request))
+        return self._walk(request).key
 
     def first_chunk_admission(self, request: LlmRequest) -> tuple[tuple | None, int, int]:
         """For a plain context request at its first chunk, with reuse on and no cross pool (the hot
@@ -387,15 +422,13 @@ class BlockManager:
         `needed_blocks_one_step`'s need, the reusable blocks it credited) from one walk of the
         tree. Unlike `needed_blocks_one_step` it leaves `estimated_reusable_tokens` to the caller
         (reusable * tokens_per_block), which sets it only when the request is not skipped."""
-        digests = self._digests(request)
-        matched = self._matched(request)
-        key = _new_block_key(request, digests, matched) if digests else None
+        walk = self._walk(request)
         full_blocks, need = self._first_step_blocks(request)
         reusable = 0
-        if matched and request.lora_task_id in self._roots:
-            reusable = min(self._allocated_credit(request, matched), full_blocks)
+        if walk.matched:  # a match implies the task's root exists
+            reusable = min(self._allocated_credit(request, walk.matched), full_blocks)
             need -= reusable
-        return key, need, reusable
+        return walk.key, need, reusable
 
     # --- sequence operations ------------------------------------------------------------------
     def add_sequence(self, request: LlmRequest, num_tokens: int | None = None, *, reuse: bool = True) -> int:
@@ -476,6 +509,7 @@ class BlockManager:
             root = _ReuseNode(None, 0, -1, None)
             root.digest = hashlib.blake2b(_ROOT + _lora_bytes(lora), digest_size=BLOCK_HASH_BYTES).digest()
             self._roots[lora] = root
+            self._walk_epoch += 1  # a walk of this task that found no root is stale now
         parent = root
         created = 0
         for index in range(count):
@@ -493,7 +527,6 @@ class BlockManager:
                 node = _ReuseNode(key, digest, block, parent)
                 parent.children[digest] = node
                 self._node_of_block[block] = node
-                self._tree_version += 1
                 created += 1
                 if self.config.record_events:
                     node.digest = hashlib.blake2b(

@@ -54,21 +54,39 @@ def _split(scheduled: list[LlmRequest], paused: list[LlmRequest], any_disagg: bo
 
 
 class _PrefixSkipper:
-    """The set C of spec §4.5, built lazily: most steps never need it."""
+    """The set C of spec §4.5, built lazily: most steps never need it.
 
-    __slots__ = ("_kv", "_active", "_keys")
+    C starts with the keys of the contexts already started (chunked prefills running) anywhere in
+    the active list. Building it scans the list, as long as a step's other work on the generating
+    requests; a scheduler walking the list in order can instead note the started contexts it passes
+    (`note_started`) and have only the rest scanned (`registered(start)`)."""
+
+    __slots__ = ("_kv", "_active", "_keys", "_noted")
 
     def __init__(self, kv: BlockManager, active: Sequence[LlmRequest]) -> None:
         self._kv = kv
         self._active = active
         self._keys: set | None = None
+        self._noted: list[LlmRequest] = []
 
-    def registered(self) -> set:
-        """The keys of C (started contexts and those admitted this step); built on first use."""
+    def note_started(self, request: LlmRequest) -> None:
+        """A started context before the `start` of the first `registered` call."""
+        if self._keys is None:
+            self._noted.append(request)
+
+    def registered(self, start: int = 0) -> set:
+        """The keys of C (started contexts and those admitted this step). On the first call, the
+        started contexts before `start` must all have been noted; the list is scanned from there."""
         if self._keys is None:
             keys = set()
             kv = self._kv
-            for request in self._active:
+            for request in self._noted:
+                key = kv.find_new_context_block(request)
+                if key is not None:
+                    keys.add(key)
+            active = self._active
+            for index in range(start, len(active)):
+                request = active[index]
                 state = request.state
                 if (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS) and (
                     request.context_current_position != request.prepopulated_prompt_len
@@ -79,12 +97,12 @@ class _PrefixSkipper:
             self._keys = keys
         return self._keys
 
-    def key_if_not_skipped(self, request: LlmRequest) -> tuple[bool, tuple | None]:
+    def key_if_not_skipped(self, request: LlmRequest, start: int = 0) -> tuple[bool, tuple | None]:
         """(skip?, key to register once admitted)."""
         key = self._kv.find_new_context_block(request)
         if key is None:
             return False, None
-        if key in self.registered():
+        if key in self.registered(start):
             return True, None
         return False, key
 
@@ -306,6 +324,9 @@ class MaxUtilizationScheduler(CapacityScheduler):
             and until <= _CONTEXT_INIT < after
         )
         first_chunk_admission = kv.first_chunk_admission
+        # C (prefix-aware skipping) from the started contexts noted on the way plus a scan of the
+        # rest of the list, instead of a scan of all of it; the general path scans all of it.
+        scan_from = self.use_hot_paths
         free = kv.scheduling_free_blocks  # changes only when a victim is simulated away
         scheduled_blocks = 0
         cross_scheduled_blocks = 0
@@ -348,10 +369,10 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 and request.context_current_position == request.prepopulated_prompt_len
             ):
                 # Hot path for a new prompt (about 10% of a busy engine's requests, every step):
-                # the general branch below with one walk of the prefix tree instead of three.
+                # the general branch below with one (cached) walk of the prefix tree, not three.
                 key, need, reusable = first_chunk_admission(request)
                 if key is not None:
-                    registered = skipper.registered()
+                    registered = skipper.registered(index)
                     if key in registered:
                         index += 1
                         continue
@@ -366,16 +387,18 @@ class MaxUtilizationScheduler(CapacityScheduler):
                         index += 1
                         continue
             else:
+                is_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
+                first_chunk = is_context and request.context_current_position == request.prepopulated_prompt_len
+                if skipper is not None and is_context and not first_chunk and scan_from:
+                    # Every started context before the first prompt's check passes here (the
+                    # fast branches take none), so C needs only the rest of the list scanned.
+                    skipper.note_started(request)
                 if not (until <= state < after) and state is not _GEN_INIT:
                     index += 1
                     continue
                 key = None
-                if (
-                    skipper is not None
-                    and (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS)
-                    and request.context_current_position == request.prepopulated_prompt_len
-                ):
-                    skip, key = skipper.key_if_not_skipped(request)
+                if skipper is not None and first_chunk:
+                    skip, key = skipper.key_if_not_skipped(request, index if scan_from else 0)
                     if skip:
                         index += 1
                         continue

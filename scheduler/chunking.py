@@ -18,6 +18,10 @@ from collections.abc import Sequence
 from scheduler.config import ContextChunkingPolicy
 from scheduler.errors import InvalidFieldError
 from scheduler.request import LlmRequest
+from scheduler.state import LlmRequestState
+
+_CONTEXT_INIT = LlmRequestState.CONTEXT_INIT
+_CONTEXT_INIT_AND_TRANS = LlmRequestState.DISAGG_CONTEXT_INIT_AND_TRANS
 
 
 def reusable_tokens(request: LlmRequest) -> int:
@@ -57,11 +61,18 @@ def first_come_first_served(
     requests: Sequence[LlmRequest], capacity: int | None, unit: int, max_context_length: int | None
 ) -> None:
     for request in requests:
-        want = request.context_remaining_length
-        reusable = reusable_tokens(request)
-        compute = max(0, want - reusable)
-        if capacity is not None and capacity <= 0 and compute > 0:
-            continue  # nothing left to give: its chunk stays at the 0 the caller reset it to
+        # context_remaining_length and reusable_tokens(), inline: once the budget is spent this
+        # loop only passes over the requests that wait (most of them, in a busy engine).
+        position = request.context_current_position
+        want = request.prompt_len - position
+        reusable = request.estimated_reusable_tokens if position == request.prepopulated_prompt_len else 0
+        compute = want - reusable if want > reusable else 0
+        if capacity is not None and compute > 0 and (capacity <= 0 or (compute > capacity and capacity < unit)):
+            # Nothing to give, or less than a unit: the chunk below would be cut to at most the
+            # capacity (the max_context_length cut only shortens it), then rounded down to 0. It
+            # stays at the 0 the caller reset it to. What is left after the first prompts is mostly
+            # less than a unit, so this is the path of nearly every waiting prompt.
+            continue
         chunk = want
         if capacity is not None and compute > capacity:
             chunk = capacity
@@ -107,10 +118,17 @@ _POLICIES = {
 
 
 def fit_draft_tokens(
-    requests: Sequence[LlmRequest], capacity: int | None, unit: int, max_context_length: int | None
+    requests: Sequence[LlmRequest],
+    capacity: int | None,
+    unit: int,
+    max_context_length: int | None,
+    has_draft_tokens: bool | None = None,
 ) -> None:
-    """Trim draft tokens of last-chunk requests so they need no extra block and fit the budget."""
-    if not any(request.draft_tokens for request in requests):
+    """Trim draft tokens of last-chunk requests so they need no extra block and fit the budget.
+    `has_draft_tokens`: whether any request has some, when the caller already knows."""
+    if has_draft_tokens is None:
+        has_draft_tokens = any(request.draft_tokens for request in requests)
+    if not has_draft_tokens:
         return  # nothing to trim (the common case)
     used = 0
     for request in requests:
@@ -138,9 +156,14 @@ def chunk_contexts(
     capacity: int | None,
     unit: int,
     max_context_length: int | None,
+    has_draft_tokens: bool | None = None,
 ) -> None:
     """Spec §5 step 8: reset every chunk to 0, run the policy, then fit the draft tokens."""
     for request in requests:
-        request.set_context_chunk_size(0)
+        state = request.state
+        if state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS:
+            request.context_chunk_size = 0  # what set_context_chunk_size(0) stores in these states
+        else:
+            request.set_context_chunk_size(0)  # the other states it accepts, or its error
     _POLICIES[policy](requests, capacity, unit, max_context_length)
-    fit_draft_tokens(requests, capacity, unit, max_context_length)
+    fit_draft_tokens(requests, capacity, unit, max_context_length, has_draft_tokens)

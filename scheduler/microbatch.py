@@ -77,6 +77,9 @@ class MicroBatchScheduler:
         beam_width = 0
         has_lora = False
         gen_in_window = self.use_hot_paths and until <= _GEN_IN_PROGRESS < after
+        # The context hot path needs chunking on (the tentative chunk is then the remainder).
+        context_hot = self.use_hot_paths and chunking is not None and until <= _CONTEXT_INIT < after
+        has_draft_tokens = False  # among the contexts to chunk
         token_limit = max_num_tokens if max_num_tokens is not None else float("inf")
         append_generation = generation.append
         for request in requests:
@@ -94,6 +97,27 @@ class MicroBatchScheduler:
                     beam_width = 1
                 append_generation(request)
                 batch_tokens += 1
+                num_requests += 1
+                if num_requests >= max_batch_size:
+                    break
+                continue
+            if state is _CONTEXT_INIT and context_hot and request.is_plain and not request.draft_tokens:
+                # Hot path (a new or chunked prompt): the general chunking branch below for a
+                # request with no LoRA task and no draft tokens. Tentatively its chunk is the
+                # whole remainder, set directly (a context state needs no clamp).
+                if inflight_ids and request.request_id in inflight_ids:
+                    continue
+                position = request.context_current_position
+                chunk = request.prompt_len - position
+                request.context_chunk_size = chunk
+                if position == request.prepopulated_prompt_len:
+                    chunk -= request.estimated_reusable_tokens
+                cost = chunk if chunk > 0 else 0
+                if max_context_length is not None and max_context_length < cost:
+                    cost = max_context_length
+                    all_fit = False
+                to_chunk.append(request)
+                tentative_chunk_tokens += cost
                 num_requests += 1
                 if num_requests >= max_batch_size:
                     break
@@ -136,6 +160,7 @@ class MicroBatchScheduler:
                     request.context_chunk_size = chunk
                     reusable = request.estimated_reusable_tokens if position == request.prepopulated_prompt_len else 0
                     cost = max(0, chunk - reusable) + len(request.draft_tokens)
+                    has_draft_tokens = has_draft_tokens or bool(request.draft_tokens)
                     if max_context_length is not None and max_context_length < cost:
                         cost = max_context_length
                         all_fit = False
@@ -164,7 +189,9 @@ class MicroBatchScheduler:
             if not all_fit:
                 chunked = True
                 capacity = None if max_num_tokens is None else max_num_tokens - batch_tokens
-                chunk_contexts(to_chunk, chunking.policy, capacity, chunking.unit_size, max_context_length)
+                chunk_contexts(
+                    to_chunk, chunking.policy, capacity, chunking.unit_size, max_context_length, has_draft_tokens
+                )
             for request in to_chunk:
                 chunk = request.context_chunk_size
                 if chunk > 0:

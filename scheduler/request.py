@@ -122,9 +122,9 @@ class LlmRequest:
         # read by the schedulers' hot paths instead of a lookup by id).
         self.kv_sequence = None
         # Per-block chain hashes of block_keys (dict keys of the reuse tree; cheap to hash), and
-        # the block manager's last walk of its tree for this prompt, with the tree's version.
+        # the block manager's last walk of its tree for this prompt (block_manager._PrefixWalk).
         self.block_digests: list[int] | None = None
-        self.prefix_walk: tuple | None = None
+        self.prefix_walk = None
         if context_chunk_size is not None:
             self.set_context_chunk_size(context_chunk_size)
 

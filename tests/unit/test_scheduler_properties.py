@@ -146,17 +146,26 @@ def test_the_pressure_scenarios_really_pause() -> None:
 @settings(max_examples=60)
 @given(
     st.integers(2, 8),
+    st.sampled_from([12, 64]),  # small pools evict published blocks (unpublishing)
     st.lists(st.tuples(st.integers(0, 3), st.integers(1, 30)), min_size=1, max_size=20),
     st.data(),
 )
-def test_block_manager_random_operations_keep_integrity(tpb, ops, data) -> None:
-    kv = BlockManager(BlockManagerConfig(tokens_per_block=tpb, num_blocks=64, max_attention_window=256, enable_block_reuse=True))
+def test_block_manager_random_operations_keep_integrity(tpb, num_blocks, ops, data) -> None:
+    kv = BlockManager(
+        BlockManagerConfig(tokens_per_block=tpb, num_blocks=num_blocks, max_attention_window=256, enable_block_reuse=True)
+    )
     live: dict[int, LlmRequest] = {}
+    # Prompts that never join (one random, one copy of each joining prompt, walked before that one
+    # publishes): their walks of the tree stay cached on them across the operations and must always
+    # equal a fresh walk (a cached walk that missed a change would mis-credit reuse).
+    probes = [LlmRequest(-1, data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=30)), 8)]
     next_id = 0
     for kind, length in ops:
+        length = min(length, num_blocks // 2 * tpb)  # so that small pools fill up and evict
         if kind == 0 and kv.num_free_blocks >= -(-length // tpb) + 1:
             prompt = data.draw(st.lists(st.integers(0, 2), min_size=length, max_size=length))
             request = LlmRequest(next_id, prompt, 8)
+            probes.append(LlmRequest(-2 - next_id, prompt, 8))
             kv.add_sequence(request)
             live[next_id] = request
             next_id += 1
@@ -172,6 +181,11 @@ def test_block_manager_random_operations_keep_integrity(tpb, ops, data) -> None:
         kv.check_integrity()
         kv.start_scheduling()
         assert kv.scheduling_free_blocks == kv.num_free_blocks
+        for probe in probes:
+            fresh = LlmRequest(probe.request_id, probe.tokens[0], 8)
+            assert kv._matched(probe) == kv._matched(fresh)
+            assert kv.find_new_context_block(probe) == kv.find_new_context_block(fresh)
+            assert kv.first_chunk_admission(probe) == kv.first_chunk_admission(fresh)
     for request_id in list(live):
         kv.remove_sequence(request_id)
     kv.check_integrity()
@@ -227,3 +241,50 @@ def _trace(scenario) -> list[tuple]:
         done += len(executor.complete(output))
         active = [r for r in active if r.state is not S.GENERATION_COMPLETE]
     return trace
+
+
+def _first_come_first_served_reference(requests, capacity, unit, max_context_length) -> None:
+    """FIRST_COME_FIRST_SERVED as spec §5.1 words it, with no shortcut (the chunks start at 0)."""
+    from scheduler.chunking import reusable_tokens
+
+    for request in requests:
+        want = request.context_remaining_length
+        reusable = reusable_tokens(request)
+        compute = max(0, want - reusable)
+        if capacity is not None and capacity <= 0 and compute > 0:
+            continue
+        chunk = want
+        if capacity is not None and compute > capacity:
+            chunk = capacity
+        if max_context_length is not None and max(0, chunk - reusable) > max_context_length:
+            chunk = min(reusable + max_context_length, want)
+        if chunk != want:
+            chunk = chunk // unit * unit
+        request.set_context_chunk_size(chunk)
+        if capacity is not None:
+            capacity -= min(request.context_chunk_size, compute)
+
+
+@settings(max_examples=300)
+@given(
+    st.lists(st.tuples(st.integers(1, 200), st.integers(0, 199), st.booleans(), st.integers(0, 200)), min_size=1, max_size=8),
+    st.one_of(st.none(), st.integers(0, 400)),  # the micro-batch never passes a negative budget
+    st.sampled_from([1, 4, 16, 64]),
+    st.one_of(st.none(), st.integers(1, 300)),
+)
+def test_first_come_first_served_skips_only_what_would_get_nothing(shapes, capacity, unit, max_context_length) -> None:
+    from scheduler.chunking import first_come_first_served
+
+    chunks = []
+    for policy in (first_come_first_served, _first_come_first_served_reference):
+        requests = []
+        for prompt_len, position, first, reusable in shapes:
+            request = LlmRequest(len(requests), [1] * prompt_len, 4)
+            request.context_current_position = min(position, prompt_len - 1)
+            request.prepopulated_prompt_len = request.context_current_position if first else 0
+            request.estimated_reusable_tokens = min(reusable, prompt_len - 1)
+            request.context_chunk_size = 0
+            requests.append(request)
+        policy(requests, capacity, unit, max_context_length)
+        chunks.append([r.context_chunk_size for r in requests])
+    assert chunks[0] == chunks[1]

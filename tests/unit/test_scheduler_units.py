@@ -279,6 +279,85 @@ def test_cached_blocks_are_evicted_only_for_fresh_allocations() -> None:
     kv.check_integrity()
 
 
+def test_a_cached_walk_of_the_prefix_tree_follows_every_change_of_the_tree() -> None:
+    """A waiting prompt's walk stays cached across steps; extension, eviction and a new LoRA root
+    must each show in its next admission figures, exactly as a fresh walk would give them."""
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=2, num_blocks=6, max_attention_window=64, enable_block_reuse=True))
+
+    def fresh(request: LlmRequest) -> tuple:
+        return kv.first_chunk_admission(
+            LlmRequest(request.request_id, request.tokens[0], request.max_new_tokens, lora_task_id=request.lora_task_id)
+        )
+
+    other = LlmRequest(0, [7, 7, 7], 1)  # publishes an unrelated block: the root exists
+    kv.add_sequence(other)
+    kv.store_context_blocks(other)
+    kv.remove_sequence(0)
+    waiting = LlmRequest(10, [1, 2, 3, 4, 5], 1)
+    waiting_lora = LlmRequest(11, [1, 2, 3, 4, 5], 1, lora_task_id=7)
+    before = kv.first_chunk_admission(waiting)
+    assert kv.first_chunk_admission(waiting_lora)[1:] == (3, 0)  # 3 blocks, nothing to reuse, no root
+    # Extension: another request publishes the same prefix.
+    first = LlmRequest(1, [1, 2, 3, 4, 9], 1)
+    kv.add_sequence(first)
+    kv.store_context_blocks(first)
+    extended = kv.first_chunk_admission(waiting)
+    assert extended != before and extended == fresh(waiting)
+    assert extended[1:] == (1, 2)  # both full blocks held by `first`: one block to allocate
+    # Eviction: `first` leaves, its published blocks are cached-free, then a big prompt evicts them.
+    kv.remove_sequence(1)
+    assert kv.first_chunk_admission(waiting) == fresh(waiting)
+    kv.add_sequence(LlmRequest(2, [9] * 12, 1))
+    evicted = kv.first_chunk_admission(waiting)
+    assert evicted == fresh(waiting) and evicted[1:] == (3, 0)
+    # A new root: the LoRA task's first publication.
+    kv.remove_sequence(2)
+    lora_first = LlmRequest(3, [1, 2, 3, 4, 9], 1, lora_task_id=7)
+    kv.add_sequence(lora_first)
+    kv.store_context_blocks(lora_first)
+    assert kv.first_chunk_admission(waiting_lora) == fresh(waiting_lora)
+    assert kv.first_chunk_admission(waiting_lora)[1:] == (1, 2)
+
+
+@pytest.mark.parametrize("policy", [CapacitySchedulerPolicy.MAX_UTILIZATION, CapacitySchedulerPolicy.GUARANTEED_NO_EVICT])
+def test_a_duplicate_behind_a_running_chunked_prefill_waits_for_all_its_chunks(policy) -> None:
+    """Spec §4.5: C holds the running chunked prefill's key, whichever side of the duplicate it is
+    on in the list (MAX_UTILIZATION notes the ones before the duplicate and scans the rest)."""
+    from scheduler.simulation import SimulatedExecutor
+
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=64, max_attention_window=64, enable_block_reuse=True))
+    config = SchedulerConfig(
+        max_num_requests=8,
+        max_batch_size=8,
+        max_num_tokens=16,
+        max_context_length=8,  # leaves the duplicate budget to start with, were it not skipped
+        capacity_policy=policy,
+        chunking=ChunkingConfig(ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, 4),
+    )
+    scheduler = TwoLevelScheduler(config, kv)
+    executor = SimulatedExecutor(kv)
+    prompt = list(range(1, 33))  # chunks of at most 8: 4 steps of prefill
+    running = LlmRequest("running", prompt, 4)
+    before = LlmRequest("before", [7] * 8, 4)  # unrelated, ahead of both in the list
+    active = [before, running]
+    steps_with_duplicate = 0
+    for step in range(10):
+        if running.state is LlmRequestState.GENERATION_IN_PROGRESS:
+            break
+        if running.context_current_position > 0 and len(active) == 2:
+            active.append(LlmRequest("duplicate", prompt, 4))
+        output = scheduler.schedule(active)
+        ids = [r.request_id for r in output.context]
+        assert "duplicate" not in ids, f"step {step}: {ids}"
+        steps_with_duplicate += len(active) == 3
+        executor.prepare(output)
+        executor.complete(output)
+    assert running.state is LlmRequestState.GENERATION_IN_PROGRESS and steps_with_duplicate >= 2
+    output = scheduler.schedule(active)
+    assert "duplicate" in [r.request_id for r in output.context]
+    assert active[-1].estimated_reusable_tokens == 28  # the 7 full blocks of its first 31 tokens
+
+
 def test_add_sequence_failure_leaves_nothing_allocated() -> None:
     kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=2, max_attention_window=64))
     with pytest.raises(OutOfBlocksError):
