@@ -60,7 +60,7 @@ def new_prompt(request_id: int, rng: random.Random) -> LlmRequest:
     return LlmRequest(request_id, [rng.randrange(32000) for _ in range(context_len)], MAX_NEW_TOKENS)
 
 
-def build(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, seed: int):
+def build(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, seed: int, steps: int = 0):
     rng = random.Random(seed)
     num_generating = num_requests * 9 // 10
     requests = []
@@ -70,9 +70,17 @@ def build(num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, se
         if request_id < num_generating:
             blocks_held += -(-requests[-1].prompt_len // TOKENS_PER_BLOCK)
     # Roomy: everything (prompts included) fits twice over. Pressure: what the generating requests
-    # hold plus 1% slack, so growth and new prompts force MAX_UTILIZATION to pause.
+    # hold plus a little room for their growth (a new block per request every tpb steps):
+    # - MAX_UTILIZATION: two steps of it, so that within a few steps growth and new prompts force
+    #   it to pause, step after step;
+    # - GUARANTEED_NO_EVICT and STATIC_BATCH never pause: they run what they hold to completion,
+    #   which they would only have admitted with its blocks reserved. These requests were placed
+    #   without that reservation, so their pool holds the growth of every step of the run; the
+    #   new prompts, which need their reservation, still find it full.
     total_prompt_blocks = sum(-(-r.prompt_len // TOKENS_PER_BLOCK) for r in requests)
-    num_blocks = blocks_held + max(8, blocks_held // 100) if pressure else 2 * total_prompt_blocks
+    growth_blocks_per_step = -(-num_generating // TOKENS_PER_BLOCK)
+    growth_steps = 2 if policy is CapacitySchedulerPolicy.MAX_UTILIZATION else steps + 1
+    num_blocks = blocks_held + growth_steps * growth_blocks_per_step if pressure else 2 * total_prompt_blocks
     kv = BlockManager(
         BlockManagerConfig(
             tokens_per_block=TOKENS_PER_BLOCK,
@@ -110,8 +118,8 @@ class Case:
     """One policy and pool at one size, stepped one scheduler call at a time (so that the sizes of a
     comparison can be interleaved step by step: a load change on the machine then hits them alike)."""
 
-    def __init__(self, num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy) -> None:
-        self.requests, self.kv, self.scheduler = build(num_requests, pressure, policy, seed=num_requests)
+    def __init__(self, num_requests: int, pressure: bool, policy: CapacitySchedulerPolicy, steps: int) -> None:
+        self.requests, self.kv, self.scheduler = build(num_requests, pressure, policy, num_requests, steps)
         self.executor = SimulatedExecutor(self.kv)
         self.rng = random.Random(num_requests + 1)
         self.next_id = num_requests
@@ -166,7 +174,7 @@ def main() -> int:
         for policy in policies:
             pool = "pressure" if pressure else "roomy"
             progress(f"scheduler_bench: {policy.name} {pool}, sizes {sizes} interleaved, {steps} steps ...")
-            cases = [Case(size, pressure, policy) for size in sizes]
+            cases = [Case(size, pressure, policy, steps) for size in sizes]
             gc.collect()
             gc.disable()
             try:

@@ -38,19 +38,50 @@ _UNLIMITED_PAGES = 0x7FFFFFFF
 
 @dataclass
 class CapacityOutput:
+    """fitting: the requests that may hold KV memory this step, in order (for the micro-batch).
+    non_plain_positions: the positions in `fitting`, ascending, of the requests that are not
+    plain generating requests (GENERATION_IN_PROGRESS, no LoRA task, one beam, no draft tokens),
+    so that the micro-batch can take the runs between them whole; None if not worked out."""
+
     fitting: list[LlmRequest] = field(default_factory=list)
     disagg_generation_init: list[LlmRequest] = field(default_factory=list)
     paused: list[LlmRequest] = field(default_factory=list)
+    non_plain_positions: list[int] | None = None
 
 
-def _split(scheduled: list[LlmRequest], paused: list[LlmRequest], any_disagg: bool = True) -> CapacityOutput:
+def _is_plain_generation(request: LlmRequest) -> bool:
+    return request.state is _GEN_IN_PROGRESS and request.is_plain and not request.draft_tokens
+
+
+def _split(
+    scheduled: list[LlmRequest],
+    paused: list[LlmRequest],
+    any_disagg: bool = True,
+    non_plain: list[int] | None = None,
+) -> CapacityOutput:
+    """Take the disagg-init requests out of `scheduled` (when there may be any), keeping the
+    non-plain positions true of what is left."""
     if not any_disagg:
-        return CapacityOutput(scheduled, [], paused)
+        return CapacityOutput(scheduled, [], paused, non_plain)
     fitting: list[LlmRequest] = []
     disagg: list[LlmRequest] = []
-    for request in scheduled:
-        (disagg if request.state is _GEN_INIT else fitting).append(request)
-    return CapacityOutput(fitting, disagg, paused)
+    if non_plain is None:
+        for request in scheduled:
+            (disagg if request.state is _GEN_INIT else fitting).append(request)
+        return CapacityOutput(fitting, disagg, paused)
+    # Disagg-init requests are never plain: copy the runs between them with slices.
+    kept: list[int] = []
+    start = 0
+    for position in non_plain:
+        request = scheduled[position]
+        if request.state is _GEN_INIT:
+            fitting += scheduled[start:position]
+            disagg.append(request)
+            start = position + 1
+        else:
+            kept.append(position - len(disagg))
+    fitting += scheduled[start:]
+    return CapacityOutput(fitting, disagg, paused, kept)
 
 
 class _PrefixSkipper:
@@ -139,6 +170,7 @@ class MaxRequestsScheduler(CapacityScheduler):
     def schedule(self, active: Sequence[LlmRequest]) -> CapacityOutput:
         until, after, limit = self.until, self.after, self.max_num_requests
         scheduled: list[LlmRequest] = []
+        non_plain: list[int] = []
         for request in active:
             state = request.state
             if not (until <= state < after):
@@ -151,8 +183,10 @@ class MaxRequestsScheduler(CapacityScheduler):
                 or state is _CONTEXT_INIT_AND_TRANS
                 or state in _GENERATION_STATES
             ):
+                if not _is_plain_generation(request):
+                    non_plain.append(len(scheduled))
                 scheduled.append(request)
-        return _split(scheduled, [])
+        return _split(scheduled, [], non_plain=non_plain)
 
 
 class GuaranteedNoEvictScheduler(CapacityScheduler):
@@ -188,16 +222,24 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
         pending_disagg: list[LlmRequest] = []
         pending: list[LlmRequest] = []
         remaining = kv.remaining_blocks_to_completion
-        # Hot path: a plain generating request (no cross pool, no LoRA, beam width 1) whose
-        # sequence has the simple remaining-blocks form; everything else takes the general path.
+        # Hot path: a plain generating request (no cross pool, no LoRA, beam width 1, no draft
+        # tokens) whose sequence has the simple remaining-blocks form; everything else takes the
+        # general path, and its position in `scheduled` is noted (non_plain).
         fast = self.use_hot_paths and cross is None and until <= _GEN_IN_PROGRESS < after
+        non_plain: list[int] = []
+        skipper = _PrefixSkipper(kv, active) if self.skipping else None
+        # C (prefix-aware skipping) from the started contexts this pass notes plus a scan of what
+        # it did not reach, instead of a scan of the whole list; the general path scans it all.
+        noting = skipper is not None and self.use_hot_paths
 
         append = scheduled.append
         num_scheduled = 0
+        stopped_at = None
         for request in active:
             state = request.state
-            if fast and state is _GEN_IN_PROGRESS and request.is_plain:
+            if fast and state is _GEN_IN_PROGRESS and request.is_plain and not request.draft_tokens:
                 if num_scheduled >= limit:
+                    stopped_at = request
                     break
                 append(request)
                 num_scheduled += 1
@@ -207,12 +249,20 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 else:
                     available -= remaining(request)
                 continue
+            if (
+                noting
+                and (state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS)
+                and request.context_current_position != request.prepopulated_prompt_len
+            ):
+                skipper.note_started(request)
             num_scheduled = len(scheduled)
             if not (until <= state < after) and state is not _GEN_INIT:
                 continue
             if len(scheduled) >= limit:
+                stopped_at = request
                 break
             if state in _GENERATION_STATES:
+                non_plain.append(num_scheduled)
                 scheduled.append(request)
                 num_scheduled += 1
                 available -= remaining(request)
@@ -228,10 +278,15 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 pending.append(request)
 
         if self.static_batch and scheduled:
-            return _split(scheduled, [], any_disagg=False)
+            return _split(scheduled, [], any_disagg=False, non_plain=non_plain)
 
         available_pages = (peft.max_device_pages if peft is not None else _UNLIMITED_PAGES) - claimed_pages
-        skipper = _PrefixSkipper(kv, active) if self.skipping else None
+        if not noting:
+            scan_from = 0
+        elif stopped_at is None:
+            scan_from = len(active)
+        else:
+            scan_from = active.index(stopped_at)  # (identity: requests define no equality)
         for group in (pending_disagg, pending):
             for request in group:
                 state = request.state
@@ -239,7 +294,7 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 is_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
                 key = None
                 if skipper is not None and is_context and request.is_first_context_chunk():
-                    skip, key = skipper.key_if_not_skipped(request)
+                    skip, key = skipper.key_if_not_skipped(request, scan_from)
                     if skip:
                         continue
                 if len(scheduled) >= limit:
@@ -254,6 +309,7 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                     pages = peft.determine_num_pages(request)
                 blocks_fit = need <= available and cross_need <= cross_available
                 if blocks_fit and pages <= available_pages:
+                    non_plain.append(len(scheduled))
                     scheduled.append(request)
                     available -= need
                     cross_available -= cross_need
@@ -265,7 +321,7 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 elif not blocks_fit:
                     break  # strict head-of-line blocking within the group
                 # else: only the PEFT budget failed; try the next request
-        return _split(scheduled, [], any_disagg=bool(pending_disagg))
+        return _split(scheduled, [], any_disagg=bool(pending_disagg), non_plain=non_plain)
 
 
 class MaxUtilizationScheduler(CapacityScheduler):
@@ -335,6 +391,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
         scheduled: list[LlmRequest] = []
         append = scheduled.append
         num_scheduled = 0  # len(scheduled), kept by hand: this loop runs once per active request
+        non_plain: list[int] = []  # positions in `scheduled` of what the plain-generation path did not take
         paused: list[LlmRequest] = []
         any_disagg = False
         index = 0
@@ -379,6 +436,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 if num_scheduled < limit:
                     request.estimated_reusable_tokens = reusable * tpb
                     if free >= scheduled_blocks + need:
+                        non_plain.append(num_scheduled)
                         append(request)
                         num_scheduled += 1
                         scheduled_blocks += need
@@ -414,6 +472,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
                         and (cross is None or cross.scheduling_has_free_blocks(cross_scheduled_blocks + cross_need))
                         and scheduled_pages + pages <= max_pages
                     ):
+                        non_plain.append(num_scheduled)
                         append(request)
                         num_scheduled += 1
                         any_disagg = any_disagg or state is _GEN_INIT
@@ -441,7 +500,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
                 cross.scheduling_remove_sequence(victim.request_id)
             paused.append(victim)
             end = victim_index
-        return _split(scheduled, paused, any_disagg)
+        return _split(scheduled, paused, any_disagg, non_plain)
 
 
 def make_capacity_scheduler(

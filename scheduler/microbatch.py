@@ -63,7 +63,15 @@ class MicroBatchScheduler:
         inflight_ids: Collection[Hashable],
         max_batch_size: int,
         max_num_tokens: int | None,
+        non_plain_positions: Sequence[int] | None = None,
     ) -> MicroBatch:
+        """This step's batch from `requests` (the capacity scheduler's fitting list, in order).
+
+        `non_plain_positions`: the positions, ascending, of the requests that are not plain
+        generating requests, when the caller knows them (CapacityOutput.non_plain_positions);
+        every other request is then in GENERATION_IN_PROGRESS with no LoRA task, one beam and no
+        draft tokens, and each run of them between two listed positions is taken with one slice
+        instead of one request at a time. None: every request is looked at."""
         until, after = self.until, self.after
         chunking = self.chunking
         max_context_length = self.max_context_length
@@ -76,31 +84,60 @@ class MicroBatchScheduler:
         all_fit = True
         beam_width = 0
         has_lora = False
-        gen_in_window = self.use_hot_paths and until <= _GEN_IN_PROGRESS < after
+        gen_in_window = until <= _GEN_IN_PROGRESS < after
         # The context hot path needs chunking on (the tentative chunk is then the remainder).
         context_hot = self.use_hot_paths and chunking is not None and until <= _CONTEXT_INIT < after
         has_draft_tokens = False  # among the contexts to chunk
         token_limit = max_num_tokens if max_num_tokens is not None else float("inf")
-        append_generation = generation.append
-        for request in requests:
+        end = len(requests)
+        # The requests looked at one by one (then `end`, which closes the last run); in between,
+        # runs of plain generating requests (empty when the positions are not known).
+        if non_plain_positions is None or not self.use_hot_paths:
+            one_by_one: Sequence[int] = range(end + 1)
+        else:
+            one_by_one = [*non_plain_positions, end]
+        start = 0
+        for stop in one_by_one:
+            if start < stop and gen_in_window:
+                # requests[start:stop]: plain generating requests (one token each), taken as the
+                # general generation branch below would take them one by one.
+                if inflight_ids:
+                    full = False
+                    for index in range(start, stop):
+                        request = requests[index]
+                        if request.request_id in inflight_ids:
+                            continue
+                        if batch_tokens >= token_limit:
+                            full = True
+                            break
+                        if beam_width != 1:
+                            if beam_width:
+                                continue  # the batch already has another beam width
+                            beam_width = 1
+                        generation.append(request)
+                        batch_tokens += 1
+                        num_requests += 1
+                        if num_requests >= max_batch_size:
+                            full = True
+                            break
+                    if full:
+                        break
+                elif beam_width == 1 or not beam_width or batch_tokens >= token_limit:
+                    # (With another beam width none of them joins, unless the budget is spent:
+                    # then the first of them ends the batch.)
+                    count = stop - start
+                    taken = min(count, token_limit - batch_tokens, max_batch_size - num_requests)
+                    beam_width = 1  # (if none is taken, the batch ends here)
+                    generation += requests[start : start + taken]
+                    batch_tokens += taken
+                    num_requests += taken
+                    if taken < count or num_requests >= max_batch_size:
+                        break  # the token budget or the batch is full
+            if stop == end:
+                break
+            start = stop + 1
+            request = requests[stop]
             state = request.state
-            if state is _GEN_IN_PROGRESS and gen_in_window and request.is_plain and not request.draft_tokens:
-                # Hot path (the common case): the general generation branch below for a request
-                # of one beam, no LoRA task and no draft tokens (cost 1).
-                if inflight_ids and request.request_id in inflight_ids:
-                    continue
-                if batch_tokens >= token_limit:
-                    break
-                if beam_width != 1:
-                    if beam_width:
-                        continue  # the batch already has another beam width
-                    beam_width = 1
-                append_generation(request)
-                batch_tokens += 1
-                num_requests += 1
-                if num_requests >= max_batch_size:
-                    break
-                continue
             if state is _CONTEXT_INIT and context_hot and request.is_plain and not request.draft_tokens:
                 # Hot path (a new or chunked prompt): the general chunking branch below for a
                 # request with no LoRA task and no draft tokens. Tentatively its chunk is the

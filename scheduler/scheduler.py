@@ -72,7 +72,11 @@ class TwoLevelScheduler:
         ordered = self.reorder(active)
         admitted = self.capacity.schedule(ordered)
         batch = self.microbatch.schedule(
-            admitted.fitting, inflight_ids, self.config.max_batch_size, self.config.max_num_tokens
+            admitted.fitting,
+            inflight_ids,
+            self.config.max_batch_size,
+            self.config.max_num_tokens,
+            admitted.non_plain_positions,
         )
         return ScheduleOutput(
             context=batch.context,

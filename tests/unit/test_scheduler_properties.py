@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scheduler.block_manager import BlockManager, BlockManagerConfig
@@ -288,3 +288,66 @@ def test_first_come_first_served_skips_only_what_would_get_nothing(shapes, capac
         policy(requests, capacity, unit, max_context_length)
         chunks.append([r.context_chunk_size for r in requests])
     assert chunks[0] == chunks[1]
+
+
+@st.composite
+def micro_batch_inputs(draw):
+    """A fitting list of plain generating requests in runs, between other requests: generating ones
+    with two beams, draft tokens or a LoRA task, and prompts; some ids in flight."""
+    kinds = []
+    for run, other in draw(st.lists(st.tuples(st.integers(0, 6), st.sampled_from(["beams", "draft", "lora", "prompt"])), max_size=5)):
+        kinds += ["plain"] * run + [other]
+    kinds += ["plain"] * draw(st.integers(0, 6))
+    inflight = frozenset()
+    if kinds and draw(st.integers(0, 3)) == 0:  # (runs are taken whole only when nothing is in flight)
+        inflight = frozenset(draw(st.sets(st.integers(0, len(kinds) - 1), max_size=4)))
+    max_batch_size = draw(st.integers(1, 30))
+    max_num_tokens = draw(st.one_of(st.none(), st.integers(1, 12), st.integers(1, 60)))
+    return kinds, inflight, max_batch_size, max_num_tokens
+
+
+def _micro_batch_requests(kinds) -> tuple[list[LlmRequest], list[int]]:
+    requests = []
+    non_plain = []
+    for index, kind in enumerate(kinds):
+        request = LlmRequest(
+            index,
+            [1 + index % 5] * (3 + index % 7),
+            8,
+            beam_width=2 if kind == "beams" else 1,
+            num_draft_tokens=2 if kind == "draft" else 0,
+            lora_task_id=index % 3 if kind == "lora" else None,
+        )
+        if kind != "prompt":
+            request.context_current_position = request.prompt_len
+            request.set_state(S.GENERATION_IN_PROGRESS)
+        if kind != "plain":
+            non_plain.append(index)
+        requests.append(request)
+    return requests, non_plain
+
+
+@settings(max_examples=300)
+@given(micro_batch_inputs())
+# The budget spent by a batch of another beam width: the run after it ends the batch.
+@example((["beams", "plain", "prompt"], frozenset(), 10, 2))
+def test_micro_batch_takes_runs_of_plain_generation_exactly_as_one_by_one(inputs) -> None:
+    from scheduler.microbatch import MicroBatchScheduler
+
+    kinds, inflight, max_batch_size, max_num_tokens = inputs
+    micro = MicroBatchScheduler(chunking=ChunkingConfig(ContextChunkingPolicy.FIRST_COME_FIRST_SERVED, 4))
+    batches = []
+    for with_positions in (True, False):
+        requests, non_plain = _micro_batch_requests(kinds)
+        batch = micro.schedule(
+            requests, inflight, max_batch_size, max_num_tokens, non_plain if with_positions else None
+        )
+        batches.append(
+            (
+                [r.request_id for r in batch.context],
+                [r.request_id for r in batch.generation],
+                batch.num_tokens,
+                [r.context_chunk_size for r in requests],  # the prompts the batch reached, and only those, are reset
+            )
+        )
+    assert batches[0] == batches[1]
