@@ -129,7 +129,15 @@ class _PrefixWalk:
 
     __slots__ = ("owner", "epoch", "matched", "children", "digest", "key")
 
-    def __init__(self, owner, epoch, matched, children, digest, key) -> None:
+    def __init__(
+        self,
+        owner: BlockManager,
+        epoch: int,
+        matched: list[_ReuseNode],
+        children: dict[int, _ReuseNode] | None,
+        digest: int | None,
+        key: tuple | None,
+    ) -> None:
         self.owner = owner
         self.epoch = epoch
         self.matched: list[_ReuseNode] = matched
@@ -356,7 +364,7 @@ class BlockManager:
         digest = None
         root = self._roots.get(request.lora_task_id)
         if root is not None:
-            keys = request.block_keys
+            keys = request.block_keys  # (computed along with the digests)
             children = root.children
             for index, digest in enumerate(digests):
                 node = children.get(digest)

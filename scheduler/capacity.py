@@ -382,7 +382,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
         first_chunk_admission = kv.first_chunk_admission
         # C (prefix-aware skipping) from the started contexts noted on the way plus a scan of the
         # rest of the list, instead of a scan of all of it; the general path scans all of it.
-        scan_from = self.use_hot_paths
+        noting = skipper is not None and self.use_hot_paths
         free = kv.scheduling_free_blocks  # changes only when a victim is simulated away
         scheduled_blocks = 0
         cross_scheduled_blocks = 0
@@ -447,7 +447,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
             else:
                 is_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
                 first_chunk = is_context and request.context_current_position == request.prepopulated_prompt_len
-                if skipper is not None and is_context and not first_chunk and scan_from:
+                if noting and is_context and not first_chunk:
                     # Every started context before the first prompt's check passes here (the
                     # fast branches take none), so C needs only the rest of the list scanned.
                     skipper.note_started(request)
@@ -456,7 +456,7 @@ class MaxUtilizationScheduler(CapacityScheduler):
                     continue
                 key = None
                 if skipper is not None and first_chunk:
-                    skip, key = skipper.key_if_not_skipped(request, index if scan_from else 0)
+                    skip, key = skipper.key_if_not_skipped(request, index if noting else 0)
                     if skip:
                         index += 1
                         continue
