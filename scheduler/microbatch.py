@@ -100,38 +100,19 @@ class MicroBatchScheduler:
         for stop in one_by_one:
             if start < stop and gen_in_window:
                 # requests[start:stop]: plain generating requests (one token each), taken as the
-                # general generation branch below would take them one by one.
+                # general generation branch below would take them one by one: those in flight
+                # are passed over; with another beam width in the batch none joins, unless the
+                # budget is spent (then the first of them ends the batch).
+                run = requests[start:stop]
                 if inflight_ids:
-                    full = False
-                    for index in range(start, stop):
-                        request = requests[index]
-                        if request.request_id in inflight_ids:
-                            continue
-                        if batch_tokens >= token_limit:
-                            full = True
-                            break
-                        if beam_width != 1:
-                            if beam_width:
-                                continue  # the batch already has another beam width
-                            beam_width = 1
-                        generation.append(request)
-                        batch_tokens += 1
-                        num_requests += 1
-                        if num_requests >= max_batch_size:
-                            full = True
-                            break
-                    if full:
-                        break
-                elif beam_width == 1 or not beam_width or batch_tokens >= token_limit:
-                    # (With another beam width none of them joins, unless the budget is spent:
-                    # then the first of them ends the batch.)
-                    count = stop - start
-                    taken = min(count, token_limit - batch_tokens, max_batch_size - num_requests)
+                    run = [request for request in run if request.request_id not in inflight_ids]
+                if run and (beam_width == 1 or not beam_width or batch_tokens >= token_limit):
+                    taken = min(len(run), token_limit - batch_tokens, max_batch_size - num_requests)
                     beam_width = 1  # (if none is taken, the batch ends here)
-                    generation += requests[start : start + taken]
+                    generation += run[:taken]
                     batch_tokens += taken
                     num_requests += taken
-                    if taken < count or num_requests >= max_batch_size:
+                    if taken < len(run) or num_requests >= max_batch_size:
                         break  # the token budget or the batch is full
             if stop == end:
                 break

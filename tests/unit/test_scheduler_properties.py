@@ -331,6 +331,8 @@ def _micro_batch_requests(kinds) -> tuple[list[LlmRequest], list[int]]:
 @given(micro_batch_inputs())
 # The budget spent by a batch of another beam width: the run after it ends the batch.
 @example((["beams", "plain", "prompt"], frozenset(), 10, 2))
+# A run wholly in flight sets no beam width: the two-beam request after it still joins.
+@example((["plain", "beams"], frozenset({0}), 10, None))
 def test_micro_batch_takes_runs_of_plain_generation_exactly_as_one_by_one(inputs) -> None:
     from scheduler.microbatch import MicroBatchScheduler
 
