@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from bench_summary import run_bench
 
 
 @pytest.mark.timeout(180)
 def test_quick_bench_prints_the_summary_envelope() -> None:
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "transfer_bench.py"), "--quick", "--size-mib", "8", "--repetitions", "2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    summary, stderr = run_bench("transfer_bench.py", "--quick", "--size-mib", "8", "--repetitions", "2")
     assert summary["bench"] == "transfer"
     figures = summary["figures"]
     for name in (
@@ -42,4 +28,4 @@ def test_quick_bench_prints_the_summary_envelope() -> None:
     assert figures["checksum"] == "xxh3_64"
     target = summary["targets"]["ratio_grpc_vs_raw_tcp"]
     assert set(target) == {"value", "target", "met"} and target["met"] == (target["value"] >= target["target"])
-    assert "rep 1" in result.stderr  # progress goes to stderr
+    assert "rep 1" in stderr  # progress goes to stderr

@@ -3,28 +3,15 @@ the bench's own setup) and ends with the JSON summary line."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from bench_summary import run_bench
 
-REPO = Path(__file__).resolve().parents[2]
 POLICIES = ("MAX_UTILIZATION", "GUARANTEED_NO_EVICT", "STATIC_BATCH")
 
 
 @pytest.mark.timeout(180)
 def test_quick_bench_runs_every_policy_and_pool() -> None:
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "scheduler_bench.py"), "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    summary, _ = run_bench("scheduler_bench.py", "--quick")
     assert summary["bench"] == "scheduler_bench"
     figures = summary["figures"]
     assert 0 < figures["floor_hot_us_per_request"] < figures["floor_us_per_request"] * 10
