@@ -122,6 +122,10 @@ class _Attempt:
     handed_over: bool = False
     failure_handled: bool = False
     recompute: bool = False
+    # While its submit call is in flight a stop is only noted here and sent once the submit has
+    # returned: an abort sent beside its submit could reach the instance first and be lost.
+    submitting: bool = False
+    stop_detail: str | None = None
 
     @property
     def engine_id(self) -> str:
@@ -480,7 +484,11 @@ class Router:
     async def _start(
         self, request: _Request, phase: Phase, instance_id: str, request_type: RequestType, *, recompute: bool = False
     ) -> _Attempt | None:
-        """Submit one hop; on an unreachable instance, recovery takes over."""
+        """Submit one hop; on an unreachable instance, recovery takes over. Callers make the
+        request's transition first, synchronously, and start no hop for an ended request."""
+        if request.ended:  # pragma: no cover - the callers check; a hop for nobody would leak
+            logger.error("router bug: a hop for the ended request %s", request.request_id)
+            return None
         request.attempt_numbers[phase] += 1
         attempt = _Attempt(request, phase, request.attempt_numbers[phase], instance_id, recompute=recompute)
         if phase is Phase.GENERATION:
@@ -504,24 +512,52 @@ class Router:
             output_token_ids=tuple(request.outputs),
             priority=request.priority,
         )
+        attempt.submitting = True
         try:
             await instance.client.submit(encode_submit(submit))
         except InstanceRejected as error:
+            attempt.submitting = False
             attempt.live = False
             await self._fail(request, ErrorKind.INVALID_ARGUMENT, f"{error.field}: {error.message}")
             return None
         except InstanceUnavailable as error:
+            attempt.submitting = False
+            if attempt.stop_detail is not None:
+                # Stopped meanwhile (the request ended or moved on): nothing to recover. The submit
+                # may still have landed, so the stop goes out anyway.
+                await self._tell_stopped(attempt, attempt.stop_detail)
+                return None
             attempt.live = False
             logger.warning("request %s: %s unavailable at submit: %s", request.request_id, instance_id, error)
             await self._recover(request, attempt, f"{instance_id} unavailable: {error}", kv_survives=False, suspect=instance_id)
+            return None
+        attempt.submitting = False
+        if attempt.stop_detail is not None:
+            await self._tell_stopped(attempt, attempt.stop_detail)
             return None
         return attempt
 
     async def _stop_attempt(self, attempt: _Attempt | None, detail: str) -> None:
         """Make sure an instance frees whatever it holds for this attempt (idempotent)."""
+        if self._retire(attempt) is not None:
+            await self._tell_stopped(attempt, detail)
+
+    @staticmethod
+    def _retire(attempt: _Attempt | None) -> _Attempt | None:
+        """Mark a live attempt as no longer wanted, at once (no await): reports from it are ignored
+        from here on. Returns it when its instance must still be told (`_tell_stopped`)."""
         if attempt is None or not attempt.live:
-            return
+            return None
         attempt.live = False
+        return attempt
+
+    async def _tell_stopped(self, attempt: _Attempt | None, detail: str) -> None:
+        """Ask the instance of a retired attempt to free what it holds for it."""
+        if attempt is None:
+            return
+        if attempt.submitting:
+            attempt.stop_detail = detail  # sent by _start once the submit returned
+            return
         instance = self._instances.get(attempt.instance_id)
         if instance is None or instance.dead:
             return
@@ -887,18 +923,21 @@ class Router:
             self.metrics.recovery.labels(action.value).inc()
         logger.warning("request %s: %s -> %s", request.request_id, reason, action.value)
         request.error = reason
+        # Each action decides and makes its transition before its first await, then talks to the
+        # instances: whatever happens meanwhile (an abort, a deadline, another report) sees the
+        # request's new state, and an action whose request ended meanwhile starts nothing.
         if action is RecoveryAction.RETRY_TRANSFER:
-            await self._stop_attempt(request.generation, "transfer retried")
             target = self._choose_generation(request, exclude)
             if target is None:  # pragma: no cover - checked by applicability
                 await self._fail(request, ErrorKind.UNAVAILABLE, reason)
                 return
+            stopped = [self._retire(request.generation)]
             self._transition(request, GlobalState.GENERATION_INIT, target, f"retry transfer ({reason})")
-            await self._start(request, Phase.GENERATION, target, RequestType.GENERATION_ONLY)
+            await self._tell_all_stopped(stopped, "transfer retried")
+            if not request.ended:
+                await self._start(request, Phase.GENERATION, target, RequestType.GENERATION_ONLY)
         elif action is RecoveryAction.RECOMPUTE_LOCAL:
-            await self._stop_attempt(request.prefill, "recomputing on the generation instance")
             previous = request.generation
-            await self._stop_attempt(previous, "recomputing on the generation instance")
             target = None
             if previous is not None and previous.instance_id not in exclude and self._instances[previous.instance_id].health is InstanceHealthView.HEALTHY:
                 target = previous.instance_id
@@ -907,30 +946,39 @@ class Router:
             if target is None:  # pragma: no cover - checked by applicability
                 await self._fail(request, ErrorKind.UNAVAILABLE, reason)
                 return
+            stopped = [self._retire(request.prefill), self._retire(previous)]
             detail = f"recompute locally on {target} ({reason})"
             if request.timeline.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
                 self._transition(request, GlobalState.GENERATING, target, detail, Route.COLOCATED)
             else:
                 self._transition(request, GlobalState.CONTEXT_WAIT, target, detail, Route.COLOCATED)
-            await self._start(request, Phase.COLOCATED, target, RequestType.CONTEXT_AND_GENERATION, recompute=True)
+            await self._tell_all_stopped(stopped, "recomputing on the generation instance")
+            if not request.ended:
+                await self._start(request, Phase.COLOCATED, target, RequestType.CONTEXT_AND_GENERATION, recompute=True)
         elif action is RecoveryAction.REPREFILL_ELSEWHERE:
-            await self._stop_attempt(request.prefill, "prefill re-run elsewhere")
-            await self._stop_attempt(request.generation, "prefill re-run elsewhere")
             excluded = exclude | ({request.prefill.instance_id} if request.prefill else set())
             try:
                 plan = self._placer.place(self._placement_request(request), self._candidates(frozenset(excluded)), self._prefix.overlap(request.block_hashes))
             except NoInstanceAvailable as error:
                 await self._fail(request, ErrorKind.UNAVAILABLE, f"{reason}; re-placement failed: {error}")
                 return
+            stopped = [self._retire(request.prefill), self._retire(request.generation)]
             if plan.route is Route.DISAGGREGATED:
                 request.planned_generation = plan.generation.instance_id
                 self._transition(request, GlobalState.CONTEXT_WAIT, plan.context.instance_id, f"re-run prefill ({reason})", Route.DISAGGREGATED)
-                await self._start(request, Phase.PREFILL, plan.context.instance_id, RequestType.CONTEXT_ONLY)
+                phase, instance_id, request_type = Phase.PREFILL, plan.context.instance_id, RequestType.CONTEXT_ONLY
             else:
                 self._transition(request, GlobalState.CONTEXT_WAIT, plan.generation.instance_id, f"re-run colocated ({reason})", Route.COLOCATED)
-                await self._start(request, Phase.COLOCATED, plan.generation.instance_id, RequestType.CONTEXT_AND_GENERATION)
+                phase, instance_id, request_type = Phase.COLOCATED, plan.generation.instance_id, RequestType.CONTEXT_AND_GENERATION
+            await self._tell_all_stopped(stopped, "prefill re-run elsewhere")
+            if not request.ended:
+                await self._start(request, phase, instance_id, request_type)
         else:
             await self._fail(request, ErrorKind.UNAVAILABLE, f"{reason}; recovery exhausted")
+
+    async def _tell_all_stopped(self, attempts: list[_Attempt | None], detail: str) -> None:
+        for attempt in attempts:
+            await self._tell_stopped(attempt, detail)
 
     # --- the end of a request -------------------------------------------------------------------------
     async def _complete(self, request: _Request, output: RequestOutput) -> None:
@@ -951,10 +999,15 @@ class Router:
     ) -> None:
         if request.ended:
             return
+        # Everything up to the terminal transition happens before the first await, so that a
+        # second end (a deadline beside a client's abort) or a recovery running meanwhile sees
+        # the request ended; the instances are told afterwards.
         state = {Outcome.COMPLETE: GlobalState.COMPLETE, Outcome.ERROR: GlobalState.ERROR, Outcome.ABORTED: GlobalState.ABORTED}[outcome]
-        for attempt in (request.prefill, request.generation):
-            if attempt is not None and attempt.live and not (outcome is Outcome.COMPLETE and attempt.handed_over):
-                await self._stop_attempt(attempt, message or "request ended")
+        stopped = [
+            self._retire(attempt)
+            for attempt in (request.prefill, request.generation)
+            if attempt is not None and not (outcome is Outcome.COMPLETE and attempt.handed_over)
+        ]
         self._transition(request, state, None, message or (finish_reason or ""))
         if message:
             request.error = message
@@ -979,6 +1032,7 @@ class Router:
         self._ended[request.request_id] = request
         while len(self._ended) > 10_000:
             self._ended.pop(next(iter(self._ended)))
+        await self._tell_all_stopped(stopped, message or "request ended")
         # The final event must reach the client even if its queue is full of unread tokens.
         while request.events.full():
             request.events.get_nowait()
