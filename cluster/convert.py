@@ -33,6 +33,7 @@ from cluster.router_types import (
 )
 from duet_wire.v1 import client_pb2 as pb
 from worker.engine_types import InstanceRole
+from worker.kv_transfer.ids import MAX_CLIENT_REQUEST_ID_CHARS, request_id_problem
 from worker.sampler_types import SampleLogprobs
 from worker.sampling import InvalidSamplingParams, SamplingParams
 
@@ -40,8 +41,7 @@ DEFAULT_MAX_TOKENS = 16  # as vLLM
 DEFAULT_PRIORITY = 0.5  # as TensorRT-LLM
 MAX_PROMPT_TEXT_BYTES = 1 << 20
 MAX_TIMEOUT_S = 3600.0
-MAX_CLIENT_REQUEST_ID_CHARS = 128
-MAX_REQUEST_ID_CHARS = 128
+MAX_REQUEST_ID_CHARS = 128  # a router's id in a RequestRef: a client's id, or one the router made
 
 _FLOAT_SAMPLING_FIELDS = (
     "temperature",
@@ -112,13 +112,11 @@ def widen_float32(value: float) -> float:
 
 
 def check_request_id(value: str, field: str, limit: int = MAX_CLIENT_REQUEST_ID_CHARS) -> str:
-    """An id is 1..limit printable ASCII characters (it ends up in logs and metadata)."""
-    if not value:
-        raise RequestValidationError(field, "must not be empty")
-    if len(value) > limit:
-        raise RequestValidationError(field, f"must be at most {limit} characters, got {len(value)}")
-    if not (value.isascii() and value.isprintable()):
-        raise RequestValidationError(field, "must be printable ASCII")
+    """An id follows the one request-id rule (worker/kv_transfer/ids.py): 1..limit printable
+    ASCII characters, spaces included, so that it crosses every hop and the KV path as it is."""
+    problem = request_id_problem(value, limit)
+    if problem is not None:
+        raise RequestValidationError(field, problem)
     return value
 
 

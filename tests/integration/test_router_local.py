@@ -38,6 +38,29 @@ def test_disaggregated_equals_colocated(params) -> None:
     run(scenario())
 
 
+def test_client_ids_with_spaces_cross_the_kv_path_without_recovery() -> None:
+    """One request-id rule (worker/kv_transfer/ids.py): an id the front end accepts, spaces and
+    every printable ASCII character included, is the request's id on every hop and on the KV path."""
+    ids = [" lead and trail ", "a b", "".join(map(chr, range(0x20, 0x7F)))]
+
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected = [(await reference.run(PROMPTS[i], GREEDY))[0] for i in range(len(ids))]
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}) as cluster:
+            results = [await cluster.run(PROMPTS[i], GREEDY, client_request_id=cid) for i, cid in enumerate(ids)]
+            router = cluster.router
+            assert not router.recovery_actions and router.transfers["committed"] == len(ids), (router.recovery_actions, router.transfers)
+            assert [router.get_request(client_request_id=cid).request_id for cid in ids] == ids
+        for (tokens, final), reference_tokens in zip(results, expected, strict=True):
+            assert final.outcome is Outcome.COMPLETE, final.error_message
+            assert tokens == reference_tokens
+            assert states(final) == [
+                "QUEUED", "CONTEXT_WAIT", "CONTEXT_IN_PROGRESS", "GENERATION_INIT", "TRANSMISSION", "GENERATING", "COMPLETE",
+            ]
+
+    run(scenario())
+
+
 def test_corrupted_transfer_is_retried_and_output_unchanged() -> None:
     faults = {"p0": {"enabled": True, "seed": 2, "rules": [{"kind": "corrupt", "chunk": 0, "max_fires": 1}]}}
 

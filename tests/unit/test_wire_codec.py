@@ -275,7 +275,11 @@ def test_transfer_ids_are_unguessable_and_validated() -> None:
         with pytest.raises(InvalidIdentifier):
             check_transfer_id(bad)
     assert check_request_id("req-1") == "req-1"
-    for bad in ["", "a b", "x" * 257, "tab\there", 7]:
+    # The one request-id rule: printable ASCII 0x20-0x7E, spaces included (a client's id crosses
+    # the KV path as it is).
+    for good in ["a b", " lead and trail ", "".join(map(chr, range(0x20, 0x7F))), "x" * 256]:
+        assert check_request_id(good) == good
+    for bad in ["", "x" * 257, "tab\there", "del\x7f", "é", 7, None]:
         with pytest.raises(InvalidIdentifier):
             check_request_id(bad)
 
