@@ -10,6 +10,7 @@ like a user would (the demo, the chaos soak, the load benchmark, tests).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from cluster.client import DuetClient
 from cluster.deploy_config import ClusterConfig
 from cluster.router_types import ClusterView
 from cluster.serve import ServingCluster
+from cluster.shutdown import STOP_TIMEOUT_S, StopTimeout
 
 T = TypeVar("T")
 
@@ -96,10 +98,17 @@ class BackgroundCluster:
                 return seen
             time.sleep(0.1)
 
-    def stop(self, timeout_s: float = 180.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Drain and stop the cluster, then the loop. The shutdown bounds each of its steps
+        (cluster/shutdown.py); `timeout_s` (default: the drain timeout plus five step bounds) is a
+        backstop over all of them. Raises StopTimeout naming what hung."""
         if self.cluster is not None and self._thread.is_alive():
+            if timeout_s is None:
+                timeout_s = self.config.drain_timeout_s + 5 * STOP_TIMEOUT_S
             try:
                 self.run(self.cluster.shutdown(), timeout_s=timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise StopTimeout(f"the cluster's shutdown did not finish within {timeout_s:g} s") from None
             finally:
                 self.cluster = None
         if self._thread.is_alive():

@@ -72,6 +72,7 @@ from cluster.router_types import (
     RouterError,
     TokenEvent,
 )
+from cluster.shutdown import STOP_TIMEOUT_S, bounded
 from duet_wire.v1 import client_pb2 as pb
 from worker.kv_transfer.auth import AUTHORIZATION_METADATA_KEY, check_token
 from worker.kv_transfer.tls import TlsConfig
@@ -494,8 +495,8 @@ class FrontendServer:
         (and their requests aborted at the router)."""
         if self._server is None:
             return
-        await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace_s)
+        await bounded(self._health.enter_graceful_shutdown(), "the front end's health service")
+        await bounded(self._server.stop(grace_s), "the gRPC front end's server stop", grace_s + STOP_TIMEOUT_S)
         await self._service.wait_for_orphan_aborts(ORPHAN_ABORT_WAIT_S)
         self._server = None
         logger.info("front end on %s:%s stopped", self._host, self._bound_port)

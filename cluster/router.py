@@ -36,12 +36,14 @@ unreachable calls do.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import itertools
 import logging
 import random
 import time
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -77,6 +79,7 @@ from cluster.router_types import (
     TokenEvent,
     Usage,
 )
+from cluster.shutdown import STOP_TIMEOUT_S, cancel_and_wait
 from cluster.snapshot import InstanceLoad, PrefixEvent, PrefixEventKind
 from scheduler.block_hash import block_hash_chain
 from worker.engine_types import (
@@ -234,9 +237,14 @@ class Router:
         self._counter = itertools.count(1)
         self._poll_timeout_s = poll_timeout_s or min(1.0, config.health.heartbeat_interval_s)
         self._watchdog: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()  # tasks the router started itself (not its loops)
+        self._stopping = False  # the loops end on it too (a cancellation can be lost: cluster/shutdown.py)
         self._accepting = True
         self.inconsistent_reports = 0  # local states that contradicted the global view (must stay 0)
         self.illegal_transitions = 0  # refused by the transition table (a router bug; must stay 0)
+        # The refused transitions themselves, each with the stack that attempted it (the last few),
+        # so that a test or an operator sees what happened, not only that it did.
+        self.illegal_transition_reports: collections.deque[str] = collections.deque(maxlen=16)
         self.metrics = metrics
         self.timeline_log = timeline_log
         self.recovery_actions: Counter = Counter()
@@ -247,14 +255,13 @@ class Router:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="router-watchdog")
 
-    async def stop(self) -> None:
-        tasks = [t for t in [self._watchdog, *(i.task for i in self._instances.values())] if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the watchdog and every poll loop (and the ends they started); StopTimeout, naming
+        the tasks, if they are still running after `timeout_s`."""
+        self._stopping = True
+        tasks = [t for t in [self._watchdog, *(i.task for i in self._instances.values()), *self._background] if t is not None]
         self._watchdog = None
+        await cancel_and_wait(tasks, "router.stop", timeout_s)
 
     async def add_instance(self, client: InstanceClient) -> InstanceInfo:
         """Register an instance (or re-register a restarted one) and start polling it."""
@@ -284,8 +291,8 @@ class Router:
         while self._requests and self._clock() < deadline:
             await asyncio.sleep(0.05)
         left = list(self._requests.values())
-        for request in left:
-            await self._fail(request, ErrorKind.UNAVAILABLE, "the router is shutting down")
+        # Together, so that the instance calls of each end (bounded each) add up to one bound.
+        await asyncio.gather(*(self._fail(request, ErrorKind.UNAVAILABLE, "the router is shutting down") for request in left))
         return len(left)
 
     # --- RouterAPI ----------------------------------------------------------------------------------
@@ -571,7 +578,7 @@ class Router:
     # --- instance polling -----------------------------------------------------------------------------
     async def _poll_loop(self, instance: _Instance) -> None:
         health = self.config.health
-        while True:
+        while not self._stopping:
             try:
                 batch = await instance.client.poll(self._poll_timeout_s)
             except asyncio.CancelledError:
@@ -1066,15 +1073,19 @@ class Router:
             if self.metrics is not None:
                 self.metrics.ttft.observe(request.first_token_s - request.admitted_s)
         if request.events.full():
-            asyncio.get_running_loop().create_task(
+            # A task of its own (this runs inside a report's handling); referenced until done, as
+            # the event loop keeps only weak references to tasks.
+            task = asyncio.get_running_loop().create_task(
                 self._end(request, Outcome.ABORTED, "abort", None, ErrorKind.CANCELLED, "the client stopped reading its stream")
             )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
             return
         request.events.put_nowait(event)
 
     # --- watchdog: deadlines and stage timeouts ---------------------------------------------------------
     async def _watch(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             try:
                 await self._check_timers()
@@ -1118,8 +1129,9 @@ class Router:
     def _transition(self, request: _Request, state: GlobalState, instance_id: str | None, detail: str, route: Route | None = None) -> None:
         try:
             request.timeline.transition(state, instance_id=instance_id, route=route, detail=detail)
-        except IllegalTransition:
+        except IllegalTransition as error:
             self.illegal_transitions += 1
+            self.illegal_transition_reports.append(f"{error}\n{''.join(traceback.format_stack(limit=20))}")
             logger.exception("router bug: illegal transition for %s", request.request_id)
             raise
 

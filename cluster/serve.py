@@ -20,6 +20,7 @@ from pathlib import Path
 from cluster.deploy_config import ClusterConfig
 from cluster.launch import Deployment, DeploymentError, roles_summary
 from cluster.router import Router
+from cluster.shutdown import STOP_TIMEOUT_S, StopTimeout, bounded
 
 logger = logging.getLogger(__name__)
 
@@ -125,19 +126,35 @@ class ServingCluster:
         await self._stop.wait()
 
     async def shutdown(self) -> None:
-        """Drain, then stop everything (idempotent)."""
+        """Drain, then stop everything (idempotent). Every step is bounded (cluster/shutdown.py): a
+        step that hangs is logged and the others still run (the instances' actors stop even if the
+        front end hung), then StopTimeout names what hung."""
+        hung: list[str] = []
+
+        async def step(awaitable, what: str, timeout_s: float = STOP_TIMEOUT_S):
+            try:
+                return await bounded(awaitable, what, timeout_s)
+            except StopTimeout as error:
+                logger.error("shutdown: %s", error)
+                hung.append(str(error))
+                return None
+
         if self.frontend is not None:
-            with contextlib.suppress(Exception):
-                await self.frontend.set_serving(False)
+            await step(self.frontend.set_serving(False), "the front end's health switch")
         if self.router is not None:
-            left = await self.router.drain(self.config.drain_timeout_s)
+            drain_s = self.config.drain_timeout_s
+            left = await step(self.router.drain(drain_s), f"the drain (drain_timeout_s {drain_s:g} s)", drain_s + STOP_TIMEOUT_S)
             if left:
                 logger.warning("drain: %d requests ended with UNAVAILABLE", left)
         if self.frontend is not None:
-            await self.frontend.stop(2.0)
+            await step(self.frontend.stop(2.0), "the gRPC front end", 2.0 + 2 * STOP_TIMEOUT_S)
             self.frontend = None
         if self.router is not None:
-            await self.router.stop()
+            try:
+                await self.router.stop()
+            except StopTimeout as error:
+                logger.error("shutdown: %s", error)
+                hung.append(str(error))
             self.router = None
         if self.metrics is not None:
             self.metrics.close()
@@ -145,7 +162,9 @@ class ServingCluster:
         if self.timeline_log is not None:
             self.timeline_log.close()
             self.timeline_log = None
-        await asyncio.to_thread(self.deployment.stop)
+        await step(asyncio.to_thread(self.deployment.stop), "stopping the instances' actors (and the embedded Ray)")
+        if hung:
+            raise StopTimeout("; ".join(hung))
 
 
 async def serve(config: ClusterConfig, *, announce=print) -> int:
@@ -163,5 +182,9 @@ async def serve(config: ClusterConfig, *, announce=print) -> int:
         await cluster.wait_for_stop()
         logger.info("stopping: draining in-flight requests")
     finally:
-        await cluster.shutdown()
+        try:
+            await cluster.shutdown()
+        except StopTimeout as error:
+            logger.error("stopped, but not cleanly: %s", error)
+            return 1
     return 0

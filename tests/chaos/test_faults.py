@@ -118,6 +118,7 @@ def check_invariants(cluster) -> None:
     wait_healthy(cluster)
     free = cluster.settle(timeout_s=60)
     assert free and all(f == t for f, t in free.values()), free
+    cluster.assert_no_router_bug()
     extra = cluster.status().extra
     assert extra["illegal_transitions"] == 0 and extra["inconsistent_reports"] == 0, extra
     with cluster.client(timeout_s=60) as client:

@@ -509,6 +509,7 @@ def test_every_generate_request_completes_or_is_rejected_naming_its_field(cluste
     if not mutations:
         assert not expected.invalid, expected  # the generator's valid requests are valid
     check_reply(raw, send(cluster.channel, raw), expected)
+    cluster.harness.assert_no_router_bug()
 
 
 @settings(max_examples=40)
@@ -605,6 +606,7 @@ def test_the_cluster_is_unharmed(cluster) -> None:
     assert _processes(harness) == cluster.processes
     free = harness.settle()
     assert free and all(f == t for f, t in free.values()), free
+    harness.assert_no_router_bug()
     extra = harness.status().extra
     assert extra["illegal_transitions"] == 0 and extra["inconsistent_reports"] == 0, extra
 

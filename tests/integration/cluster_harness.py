@@ -13,6 +13,16 @@ from cluster.embedded import BackgroundCluster
 class ClusterHarness(BackgroundCluster):
     """BackgroundCluster under the name the integration tests use."""
 
+    def assert_no_router_bug(self) -> None:
+        """Invariant 6 (only legal transitions) and consistent instance reports so far; a refused
+        transition fails with the stack that attempted it (the router keeps the last few)."""
+        router = self.router
+        illegal, inconsistent, reports = self.call(
+            lambda: (router.illegal_transitions, router.inconsistent_reports, list(router.illegal_transition_reports))
+        )
+        assert illegal == 0, f"{illegal} illegal transition(s):\n" + "\n".join(reports)
+        assert inconsistent == 0, f"{inconsistent} inconsistent instance report(s)"
+
 
 @contextmanager
 def local_ray_cluster(num_cpus: int = 4) -> Iterator[Any]:
