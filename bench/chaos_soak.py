@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.cli_chaos import main  # noqa: E402
+from cluster.cli.chaos import main  # noqa: E402
 
 # A few dozen requests with a higher fault rate, so that a short run still sees faults and kills.
 QUICK_ARGS = ("--requests", "40", "--fault-rate", "0.25", "--kill-every", "15", "--concurrency", "6")

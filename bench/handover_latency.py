@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit_result, print_table, progress  # noqa: E402
-from cluster.config import RouterConfig  # noqa: E402
-from cluster.instance_client import LocalInstanceClient  # noqa: E402
-from cluster.router import Router  # noqa: E402
-from cluster.router_types import ClientRequest, TokenEvent  # noqa: E402
+from cluster.router.api import ClientRequest, TokenEvent  # noqa: E402
+from cluster.router.config import RouterConfig  # noqa: E402
+from cluster.router.driver import Router  # noqa: E402
+from cluster.router.instance_client import LocalInstanceClient  # noqa: E402
 from worker.engine_types import EngineConfig, InstanceRole  # noqa: E402
 from worker.instance import Instance, InstanceSpec  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402

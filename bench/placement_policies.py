@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
-from cluster.deploy_config import ClusterConfig  # noqa: E402
+from cluster.deploy.config import ClusterConfig  # noqa: E402
 from cluster.loadgen.arrivals import PoissonArrivals  # noqa: E402
 from cluster.loadgen.report import summary_figures  # noqa: E402
 from cluster.loadgen.runner import PointResult  # noqa: E402

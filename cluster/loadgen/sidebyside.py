@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.client import AsyncDuetClient
-from cluster.deploy_config import ClusterConfig
-from cluster.embedded import BackgroundCluster
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.embedded import BackgroundCluster
 from cluster.loadgen.arrivals import Arrivals
 from cluster.loadgen.metrics import Slo, compute_metrics
 from cluster.loadgen.runner import LoadRunner, PointResult, RunOutcome, SamplingSpec, merge_outcomes
@@ -74,7 +74,7 @@ def ray_session(config: ClusterConfig) -> Iterator[None]:
     that starting and stopping each cluster does not start and stop Ray."""
     import ray
 
-    from cluster.launch import connect_ray
+    from cluster.deploy.launch import connect_ray
 
     started = connect_ray(config)
     try:

@@ -24,8 +24,8 @@ import pytest
 from cluster_harness import ClusterHarness, await_state  # noqa: I001 - shared test helpers
 
 from cluster.client import DuetError
-from cluster.config import ConfigError
-from cluster.deploy_config import ClusterConfig
+from cluster.deploy.config import ClusterConfig
+from cluster.router.config import ConfigError
 from worker.default_model import margin_corpus
 
 PROMPTS = margin_corpus(0, 16)  # certified free of greedy near-ties for 32 new tokens

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from cluster.client import DuetClient, DuetError
-from cluster.convert import MAX_CLIENT_REQUEST_ID_CHARS, MAX_PROMPT_TEXT_BYTES, MAX_TIMEOUT_S
-from cluster.deploy_config import ClusterConfig
+from cluster.deploy.config import ClusterConfig
+from cluster.frontend.convert import MAX_CLIENT_REQUEST_ID_CHARS, MAX_PROMPT_TEXT_BYTES, MAX_TIMEOUT_S
 from duet_wire.v1 import client_pb2 as pb
 from worker.sampling import (
     MAX_LOGPROBS,

@@ -14,7 +14,9 @@ import json
 
 import pytest
 
-from cluster.chaos import (
+from cluster.cli.chaos import EXIT_INVARIANT_BROKEN, add_chaos, main
+from cluster.client import InstanceWork, StateChange
+from cluster.loadgen.chaos import (
     FAULT_KINDS,
     MUST_BE_ZERO,
     KillRecord,
@@ -33,9 +35,7 @@ from cluster.chaos import (
     replay_cluster_config,
     timeline_recoveries,
 )
-from cluster.cli_chaos import EXIT_INVARIANT_BROKEN, add_chaos, main
-from cluster.client import InstanceWork, StateChange
-from cluster.config import DisaggMode
+from cluster.router.config import DisaggMode
 from worker.engine_types import InstanceRole
 from worker.kv_transfer.faults import FaultPlan
 
@@ -264,9 +264,9 @@ def test_recovery_details_are_read_from_the_router_timeline() -> None:
 
 
 def test_the_command_exits_non_zero_when_an_invariant_broke(monkeypatch, capsys) -> None:
-    import cluster.chaos
+    import cluster.loadgen.chaos
 
-    monkeypatch.setattr(cluster.chaos, "run_soak", lambda config, show_progress: _mixed_report())
+    monkeypatch.setattr(cluster.loadgen.chaos, "run_soak", lambda config, show_progress: _mixed_report())
     assert main(["--requests", "8", "--no-progress"]) == EXIT_INVARIANT_BROKEN
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1])["targets"]["token_mismatches"]["met"] is False
@@ -287,10 +287,10 @@ def test_reprefill_elsewhere_without_another_prefill_instance_falls_through_to_r
 
     from local_cluster import collect
 
-    from cluster.config import RouterConfig
-    from cluster.instance_client import LocalInstanceClient
-    from cluster.router import Router
-    from cluster.router_types import ClientRequest, FinalEvent, Outcome
+    from cluster.router.api import ClientRequest, FinalEvent, Outcome
+    from cluster.router.config import RouterConfig
+    from cluster.router.driver import Router
+    from cluster.router.instance_client import LocalInstanceClient
     from worker.engine_types import EngineConfig
     from worker.instance import Instance, InstanceSpec
     from worker.sampling import SamplingParams
@@ -344,14 +344,14 @@ def test_a_late_push_failure_report_from_the_sender_is_consistent_with_the_retri
     made in DISAGG_CONTEXT_TRANS_IN_PROGRESS (where it stays until the retried push is
     acknowledged), arrived and was counted as an inconsistent report. The sender really is in that
     state while the receiver generates; the router's check must accept it."""
-    from cluster.request_state import (
+    from cluster.router.state import (
         TRANSITIONS,
         GlobalState,
         RequestTimeline,
         Route,
         global_states_for_local,
     )
-    from cluster.request_state import RequestType as LocalRequestType
+    from cluster.router.state import RequestType as LocalRequestType
 
     timeline = RequestTimeline("r", clock=lambda: 0.0)
     for state in (
@@ -374,9 +374,9 @@ def test_an_exception_while_handling_a_poll_batch_does_not_stop_polling_that_ins
     one handling error is injected; polling must go on."""
     import asyncio
 
-    from cluster.config import RouterConfig
-    from cluster.instance_client import LocalInstanceClient
-    from cluster.router import Router
+    from cluster.router.config import RouterConfig
+    from cluster.router.driver import Router
+    from cluster.router.instance_client import LocalInstanceClient
     from worker.engine_types import EngineConfig
     from worker.instance import Instance, InstanceSpec
     from worker.tokenizer import ByteTokenizer
@@ -437,7 +437,7 @@ async def _started_router(config, *instances):
     """A started Router (the byte tokenizer, a seed) with the scripted instances added."""
     import asyncio
 
-    from cluster.router import Router
+    from cluster.router.driver import Router
     from worker.tokenizer import ByteTokenizer
 
     router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
@@ -451,7 +451,7 @@ async def _started_router(config, *instances):
 async def _to_the_push(router, prefill, generation):
     """Submit request "r" (3 greedy tokens) and script it to its KV push: p0 computes the context,
     g0 reserves, the router asks p0 to push. Returns the request's handle."""
-    from cluster.router_types import ClientRequest
+    from cluster.router.api import ClientRequest
     from worker.engine_types import RequestOutput
     from worker.instance_protocol import ReservationNotice
     from worker.sampling import SamplingParams
@@ -537,8 +537,8 @@ def test_a_push_that_fails_after_the_receiver_committed_does_not_undo_the_hand_o
     completes there, and the sender's copy is freed."""
     import asyncio
 
-    from cluster.config import RouterConfig
-    from cluster.router_types import FinalEvent, Outcome
+    from cluster.router.api import FinalEvent, Outcome
+    from cluster.router.config import RouterConfig
     from worker.engine_types import RequestOutput, StateEvent
     from worker.instance_protocol import PushResult
     from worker.stopping import FinishReason
@@ -596,7 +596,7 @@ def test_one_failure_gets_one_recovery_even_when_the_instance_is_slow_to_answer(
     request has two live hops. One failure must get one recovery."""
     import asyncio
 
-    from cluster.config import RouterConfig
+    from cluster.router.config import RouterConfig
     from worker.instance_protocol import PushResult
 
     config = RouterConfig.from_dict(
@@ -637,8 +637,8 @@ def test_a_failure_reported_while_a_recovery_runs_is_acted_on_after_it() -> None
     finds no KV to retry from and no other prefill instance, and recomputes on g0."""
     import asyncio
 
-    from cluster.config import RouterConfig
-    from cluster.router_types import Outcome
+    from cluster.router.api import Outcome
+    from cluster.router.config import RouterConfig
     from worker.engine_types import ErrorCode, FinishReason, RequestError, RequestOutput
 
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
@@ -683,9 +683,9 @@ def test_a_client_request_id_used_again_gets_fresh_hop_ids() -> None:
     ABORTED report is taken for the new request's (which then waits for nothing)."""
     import asyncio
 
-    from cluster.config import RouterConfig
-    from cluster.router import Router
-    from cluster.router_types import ClientRequest, Outcome
+    from cluster.router.api import ClientRequest, Outcome
+    from cluster.router.config import RouterConfig
+    from cluster.router.driver import Router
     from worker.engine_types import ErrorCode, FinishReason, RequestError, RequestOutput
     from worker.sampling import SamplingParams
     from worker.tokenizer import ByteTokenizer

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 def test_cuda_disaggregated_equals_cuda_colocated(sampling: str) -> None:
     from local_cluster import GREEDY, PROMPTS, SEEDED, Cluster, run, states
 
-    from cluster.router_types import Outcome
+    from cluster.router.api import Outcome
     from worker.engine_types import InstanceRole
 
     params = GREEDY if sampling == "greedy" else SEEDED

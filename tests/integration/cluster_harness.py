@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from cluster.embedded import BackgroundCluster
+from cluster.deploy.embedded import BackgroundCluster
 
 
 class ClusterHarness(BackgroundCluster):

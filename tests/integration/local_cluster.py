@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.config import RouterConfig
-from cluster.instance_client import LocalInstanceClient
-from cluster.router import Router
-from cluster.router_types import ClientRequest, FinalEvent, TokenEvent
+from cluster.router.api import ClientRequest, FinalEvent, TokenEvent
+from cluster.router.config import RouterConfig
+from cluster.router.driver import Router
+from cluster.router.instance_client import LocalInstanceClient
 from worker.default_model import margin_corpus
 from worker.engine_types import EngineConfig, InstanceRole
 from worker.instance import Instance, InstanceSpec

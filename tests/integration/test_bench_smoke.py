@@ -67,11 +67,11 @@ def _run(args: list[str], ray_address: str) -> dict:
 
 def _bench_command() -> list[str]:
     """`duet bench` once cli.py has the subcommand; until then the same handler through its module."""
-    from cluster.cli import build_parser
+    from cluster.cli.main import build_parser
 
     parser = build_parser()
     subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return ["-m", "cluster.cli", "bench"] if "bench" in subcommands.choices else ["-m", "cluster.cli_bench"]
+    return ["-m", "cluster.cli", "bench"] if "bench" in subcommands.choices else ["-m", "cluster.cli.bench"]
 
 
 def test_duet_bench_quick(ray_address, tmp_path) -> None:

@@ -16,7 +16,7 @@ import pytest
 from cluster_harness import ClusterHarness, await_state
 
 from cluster.client import DuetError
-from cluster.deploy_config import ClusterConfig
+from cluster.deploy.config import ClusterConfig
 from worker.default_model import margin_corpus
 
 PROMPTS = margin_corpus(0, 16)  # certified free of greedy near-ties for 32 new tokens

@@ -11,8 +11,8 @@ import time
 import pytest
 from cluster_harness import ClusterHarness  # noqa: I001 - a test helper beside this file
 
-from cluster.deploy_config import ClusterConfig
-from cluster.launch import Deployment, DeploymentError
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.launch import Deployment, DeploymentError
 from worker.default_model import margin_corpus
 
 

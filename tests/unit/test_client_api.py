@@ -25,7 +25,7 @@ from cluster.client import (
     Usage,
     build_generate_request,
 )
-from cluster.router_types import ErrorKind, RouterError
+from cluster.router.api import ErrorKind, RouterError
 
 pytestmark = pytest.mark.timeout(60)
 

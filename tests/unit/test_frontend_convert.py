@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.client import TokenLogprob, TopLogprob, delta_from_proto, result_from_proto
-from cluster.convert import (
+from cluster.frontend.convert import (
     ModelLimits,
     check_request_id,
     final_event_to_result,
@@ -14,8 +14,8 @@ from cluster.convert import (
     timestamp,
     token_event_to_proto,
 )
-from cluster.convert import RequestValidationError as Invalid
-from cluster.router_types import ErrorKind, FinalEvent, Outcome, TokenEvent, Usage
+from cluster.frontend.convert import RequestValidationError as Invalid
+from cluster.router.api import ErrorKind, FinalEvent, Outcome, TokenEvent, Usage
 from duet_wire.v1 import client_pb2 as pb
 from worker.sampler_types import SampleLogprobs
 from worker.sampler_types import TokenLogprob as WorkerLogprob
@@ -97,7 +97,7 @@ def test_model_limits_are_validated(vocab, seq) -> None:
 
 
 def test_merged_token_events_keep_one_logprob_entry_per_token() -> None:
-    from cluster.frontend import merge_token_events
+    from cluster.frontend.service import merge_token_events
 
     entry = SampleLogprobs(sampled=WorkerLogprob(5, -0.5), rank=1, top=())
     merged = merge_token_events(
@@ -116,7 +116,7 @@ def test_the_reader_stops_reading_ahead_of_a_stalled_writer() -> None:
     request), not into an unbounded buffer in the front end."""
     import asyncio
 
-    from cluster.frontend import MAX_QUEUED_EVENTS, _CoalescingReader
+    from cluster.frontend.service import MAX_QUEUED_EVENTS, _CoalescingReader
 
     produced = 0
 

@@ -11,8 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_frontend_support import FIXED_TIME_S, WAIT_S, FakeRouter, Script, ServerThread
 
-from cluster.frontend import REQUEST_ID_METADATA_KEY, FrontendError, FrontendServer
-from cluster.router_types import ErrorKind, RouterError
+from cluster.frontend.service import REQUEST_ID_METADATA_KEY, FrontendError, FrontendServer
+from cluster.router.api import ErrorKind, RouterError
 from duet_wire.v1 import client_pb2 as pb
 from duet_wire.v1 import client_pb2_grpc as pb_grpc
 

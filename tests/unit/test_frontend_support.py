@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from cluster.frontend import FrontendServer
-from cluster.router_types import (
+from cluster.frontend.service import FrontendServer
+from cluster.router.api import (
     ClientRequest,
     ClusterView,
     ErrorKind,

@@ -10,7 +10,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from test_frontend_support import MAX_SEQ_LEN, VOCAB_SIZE, FakeRouter, ServerThread
 
-from cluster.convert import (
+from cluster.frontend.convert import (
     MAX_PROMPT_TEXT_BYTES,
     ModelLimits,
     RequestValidationError,

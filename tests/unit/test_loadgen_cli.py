@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from cluster.cli import CliError, build_parser
-from cluster.cli_bench import add_bench, run_bench, settings_from_args
+from cluster.cli.bench import add_bench, run_bench, settings_from_args
+from cluster.cli.main import CliError, build_parser
 from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, warmup_config
 

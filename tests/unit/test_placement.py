@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.config import (
+from cluster.router.config import (
     ConditionalDisaggConfig,
     DisaggMode,
     FallbackKind,
@@ -18,7 +18,7 @@ from cluster.config import (
     PlacementConfig,
     RoundRobinParams,
 )
-from cluster.placement import (
+from cluster.router.placement import (
     Candidate,
     ConditionalDisagg,
     DisaggReason,
@@ -32,9 +32,9 @@ from cluster.placement import (
     RoundRobin,
     build_policy,
 )
-from cluster.prefix_index import PrefixIndex
-from cluster.request_state import Route
-from cluster.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
+from cluster.router.prefix_index import PrefixIndex
+from cluster.router.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
+from cluster.router.state import Route
 from scheduler.block_hash import block_hash_chain
 
 TPB = 16

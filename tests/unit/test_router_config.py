@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cluster.config import (
+from cluster.router.config import (
     AdmissionConfig,
     ConditionalDisaggConfig,
     ConfigError,

@@ -13,9 +13,9 @@ import asyncio
 import pytest
 from scripted_instance import VOCAB_SIZE, ScriptedInstance, until
 
-from cluster.config import RouterConfig
-from cluster.router import Router
-from cluster.router_types import ClientRequest, FinalEvent, Outcome
+from cluster.router.api import ClientRequest, FinalEvent, Outcome
+from cluster.router.config import RouterConfig
+from cluster.router.driver import Router
 from worker.engine_types import InstanceRole, RequestOutput
 from worker.instance_protocol import PushResult, ReservationNotice
 from worker.sampling import SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.prefix_index import ApplyOutcome, PrefixIndex
-from cluster.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
+from cluster.router.prefix_index import ApplyOutcome, PrefixIndex
+from cluster.router.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
 from scheduler.block_hash import block_hash_chain
 
 STORED = PrefixEventKind.STORED

@@ -6,7 +6,8 @@ from collections import deque
 
 import pytest
 
-from cluster.request_state import (
+from cluster.router.snapshot import InstanceRole
+from cluster.router.state import (
     LOCAL_STATE_NAMES,
     REQUEST_TYPES_BY_ROLE,
     TERMINAL_STATES,
@@ -23,7 +24,6 @@ from cluster.request_state import (
     is_legal,
     request_type_for,
 )
-from cluster.snapshot import InstanceRole
 
 S = GlobalState
 D = Route.DISAGGREGATED

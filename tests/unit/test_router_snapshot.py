@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.snapshot import (
+from cluster.router.snapshot import (
     DEFAULT_MAX_SNAPSHOT_BYTES,
     MAX_BLOCK_HASH,
     MAX_COUNTER,

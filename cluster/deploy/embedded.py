@@ -18,9 +18,9 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from cluster.client import DuetClient
-from cluster.deploy_config import ClusterConfig
-from cluster.router_types import ClusterView
-from cluster.serve import ServingCluster
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.serve import ServingCluster
+from cluster.router.api import ClusterView
 from cluster.shutdown import STOP_TIMEOUT_S, StopTimeout
 
 T = TypeVar("T")

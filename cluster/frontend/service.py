@@ -53,7 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from cluster.convert import (
+from cluster.frontend.convert import (
     ModelLimits,
     RequestValidationError,
     client_request_from_proto,
@@ -63,7 +63,7 @@ from cluster.convert import (
     request_view_to_proto,
     token_event_to_proto,
 )
-from cluster.router_types import (
+from cluster.router.api import (
     ErrorKind,
     FinalEvent,
     RequestEvent,

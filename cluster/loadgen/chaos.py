@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.client import Completion, DuetClient, DuetError, InstanceWork, StateChange
-from cluster.deploy_config import ClusterConfig
-from cluster.embedded import BackgroundCluster
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.embedded import BackgroundCluster
 from worker.kv_transfer.faults import FaultInjector, FaultPlan, FaultSide
 
 logger = logging.getLogger(__name__)
@@ -933,7 +933,7 @@ def _router_counters(cluster: BackgroundCluster) -> tuple[int, dict[str, int]]:
 def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
     """Deploy, soak, settle, replay, report (see the module docstring). Raises SoakError when a
     cluster cannot be deployed; everything the clusters do wrong ends up in the report."""
-    from cluster.launch import DeploymentError, connect_ray
+    from cluster.deploy.launch import DeploymentError, connect_ray
 
     faulty_config = faulty_cluster_config(config)
     replay_config = replay_cluster_config(config)

@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cluster.cli import TOKEN_ENV
+from cluster.cli.main import TOKEN_ENV
 
 if TYPE_CHECKING:  # pragma: no cover - the CLI imports these lazily, when the command runs
-    from cluster.deploy_config import ClusterConfig
+    from cluster.deploy.config import ClusterConfig
     from cluster.loadgen.arrivals import Arrivals
     from cluster.loadgen.metrics import Slo
     from cluster.loadgen.runner import PointResult, SamplingSpec
@@ -153,7 +153,7 @@ def _pick(args: argparse.Namespace, name: str) -> Any:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validated settings; raises CliError (exit 2) naming the bad flag."""
-    from cluster.cli import EXIT_USAGE, CliError
+    from cluster.cli.main import EXIT_USAGE, CliError
     from cluster.loadgen.arrivals import ArrivalError, FixedConcurrency, PoissonArrivals
     from cluster.loadgen.metrics import Slo, SloError
     from cluster.loadgen.runner import SamplingSpec
@@ -225,7 +225,7 @@ async def run_points(
     target: str, client_options: dict[str, Any], settings: BenchSettings, dataset: Sequence[SharegptPair] | None
 ) -> list[PointResult]:
     """Warm up, then measure every sweep point in turn; returns their PointResults."""
-    from cluster.cli import rpc_failure
+    from cluster.cli.main import rpc_failure
     from cluster.client import AsyncDuetClient, DuetError
     from cluster.loadgen.runner import LoadRunner, measure_point
     from cluster.loadgen.workloads import WARMUP_SEED_OFFSET, build_workload, warmup_config
@@ -276,7 +276,7 @@ def _bar(settings: BenchSettings, total: int, label: str) -> Any:
 
 
 def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
-    from cluster.cli import load_cluster_config
+    from cluster.cli.main import load_cluster_config
 
     config = load_cluster_config(args)
     # Free ports: the bench must not collide with a `duet serve` on the default ones.
@@ -284,7 +284,7 @@ def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from cluster.cli import EXIT_CODES, EXIT_USAGE, CliError, client_options
+    from cluster.cli.main import EXIT_CODES, EXIT_USAGE, CliError, client_options
     from cluster.loadgen.workloads import WorkloadError, load_sharegpt
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
@@ -302,8 +302,8 @@ def run_bench(args: argparse.Namespace) -> int:
         results = asyncio.run(run_points(args.target, client_options(args), settings, dataset))
         cluster_description: dict[str, Any] = {"target": args.target}
     else:
-        from cluster.embedded import BackgroundCluster
-        from cluster.launch import DeploymentError
+        from cluster.deploy.embedded import BackgroundCluster
+        from cluster.deploy.launch import DeploymentError
 
         config = _embedded_config(args)
         _progress(settings, "starting an embedded cluster ...")
@@ -374,7 +374,7 @@ def write_outputs(settings: BenchSettings, results: Sequence[PointResult], clust
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m cluster.cli_bench ARGS` = `duet bench ARGS` (before the subcommand is wired into cli.py)."""
-    from cluster.cli import EXIT_INTERRUPTED, CliError, build_parser
+    from cluster.cli.main import EXIT_INTERRUPTED, CliError, build_parser
 
     parser = build_parser((add_bench,))
     args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])

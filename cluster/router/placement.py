@@ -40,7 +40,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Protocol
 
-from cluster.config import (
+from cluster.router.config import (
     ConditionalDisaggConfig,
     DisaggMode,
     FallbackKind,
@@ -50,8 +50,8 @@ from cluster.config import (
     PolicyParams,
     RoundRobinParams,
 )
-from cluster.request_state import Route
-from cluster.snapshot import MAX_BLOCK_HASH, InstanceLoad, InstanceRole
+from cluster.router.snapshot import MAX_BLOCK_HASH, InstanceLoad, InstanceRole
+from cluster.router.state import Route
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ def add_chaos(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
-    from cluster.chaos import SoakConfig
+    from cluster.loadgen.chaos import SoakConfig
 
     defaults = SoakConfig()
     parser.add_argument("--requests", type=int, default=defaults.requests, metavar="N", help=f"requests to send ({defaults.requests})")
@@ -77,8 +77,8 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The SoakConfig of parsed arguments; raises cluster.cli.CliError (exit 2) for bad values."""
-    from cluster.chaos import SoakConfig, SoakConfigError
-    from cluster.cli import CliError
+    from cluster.cli.main import CliError
+    from cluster.loadgen.chaos import SoakConfig, SoakConfigError
 
     try:
         return SoakConfig(
@@ -102,9 +102,9 @@ def config_from_args(args: argparse.Namespace):
 def run_chaos(args: argparse.Namespace) -> int:
     import logging
 
-    from cluster.chaos import SoakError, run_soak
-    from cluster.cli import CliError
-    from cluster.config import ConfigError
+    from cluster.cli.main import CliError
+    from cluster.loadgen.chaos import SoakError, run_soak
+    from cluster.router.config import ConfigError
 
     logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     config = config_from_args(args)
@@ -129,7 +129,7 @@ def run_chaos(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "duet chaos") -> int:
     """`duet chaos` on its own (bench/chaos_soak.py uses it): the same arguments and exit statuses."""
-    from cluster.cli import CliError
+    from cluster.cli.main import CliError
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_chaos_arguments(parser)

@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.deploy_config import ClusterConfig
-from cluster.serve import ServingCluster
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.serve import ServingCluster
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.deploy_config import ClusterConfig, InstanceGroup
-from cluster.instance_client import RayInstanceClient
+from cluster.deploy.config import ClusterConfig, InstanceGroup
+from cluster.router.instance_client import RayInstanceClient
 from worker.engine_types import InstanceRole
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from cluster.router_types import (
+from cluster.router.api import (
     ClientRequest,
     ClusterView,
     FinalEvent,

@@ -349,8 +349,8 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def load_cluster_config(args: argparse.Namespace) -> Any:
-    from cluster.config import ConfigError
-    from cluster.deploy_config import ClusterConfig
+    from cluster.deploy.config import ClusterConfig
+    from cluster.router.config import ConfigError
     from worker.engine_types import InstanceRole
 
     try:
@@ -417,7 +417,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from cluster.serve import serve
+    from cluster.deploy.serve import serve
 
     _setup_logging(args.log_level)
     config = load_cluster_config(args)
@@ -443,7 +443,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from cluster.demo import run_demo
+    from cluster.cli.demo import run_demo
 
     _setup_logging(args.log_level)
     config = load_cluster_config(args)
@@ -452,13 +452,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.cli_bench import add_bench
+    from cluster.cli.bench import add_bench
 
     add_bench(subparsers)
 
 
 def _add_chaos(subparsers: argparse._SubParsersAction) -> None:
-    from cluster.cli_chaos import add_chaos
+    from cluster.cli.chaos import add_chaos
 
     add_chaos(subparsers)
 
@@ -510,6 +510,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":  # pragma: no cover
     # `python -m cluster.cli`: run the imported module's main, not this __main__ copy's, so that the
     # subcommand modules (which import cluster.cli) raise the CliError class main() catches.
-    from cluster.cli import main as _main
+    from cluster.cli.main import main as _main
 
     sys.exit(_main())

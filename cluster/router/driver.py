@@ -49,21 +49,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from cluster.config import RecoveryAction, RouterConfig
-from cluster.instance_client import InstanceClient, InstanceRejected, InstanceUnavailable
-from cluster.metrics import RouterMetrics, TimelineLog
-from cluster.placement import Candidate, InstanceHealth, NoInstanceAvailable, PlacementRequest, Placer
-from cluster.prefix_index import PrefixIndex
-from cluster.request_state import (
-    TRANSITIONS,
-    GlobalState,
-    IllegalTransition,
-    RequestTimeline,
-    Route,
-    global_states_for_local,
-)
-from cluster.request_state import RequestType as LocalRequestType
-from cluster.router_types import (
+from cluster.router.api import (
     ClientRequest,
     ClusterView,
     ErrorKind,
@@ -79,8 +65,22 @@ from cluster.router_types import (
     TokenEvent,
     Usage,
 )
+from cluster.router.config import RecoveryAction, RouterConfig
+from cluster.router.instance_client import InstanceClient, InstanceRejected, InstanceUnavailable
+from cluster.router.observe import RouterMetrics, TimelineLog
+from cluster.router.placement import Candidate, InstanceHealth, NoInstanceAvailable, PlacementRequest, Placer
+from cluster.router.prefix_index import PrefixIndex
+from cluster.router.snapshot import InstanceLoad, PrefixEvent, PrefixEventKind
+from cluster.router.state import (
+    TRANSITIONS,
+    GlobalState,
+    IllegalTransition,
+    RequestTimeline,
+    Route,
+    global_states_for_local,
+)
+from cluster.router.state import RequestType as LocalRequestType
 from cluster.shutdown import STOP_TIMEOUT_S, cancel_and_wait
-from cluster.snapshot import InstanceLoad, PrefixEvent, PrefixEventKind
 from scheduler.block_hash import block_hash_chain
 from worker.engine_types import (
     EVENT_PREFILL_STARTED,

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Sequence
 from enum import Enum
 
-from cluster.snapshot import InstanceLoad, PrefixEventKind
+from cluster.router.snapshot import InstanceLoad, PrefixEventKind
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import logging
 import signal
 from pathlib import Path
 
-from cluster.deploy_config import ClusterConfig
-from cluster.launch import Deployment, DeploymentError, roles_summary
-from cluster.router import Router
+from cluster.deploy.config import ClusterConfig
+from cluster.deploy.launch import Deployment, DeploymentError, roles_summary
+from cluster.router.driver import Router
 from cluster.shutdown import STOP_TIMEOUT_S, StopTimeout, bounded
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ServingCluster:
         await self.shutdown()
 
     async def start(self) -> None:
-        from cluster.frontend import FrontendServer
+        from cluster.frontend.service import FrontendServer
 
         config = self.config
         logger.info("deploying %s", roles_summary(config))
@@ -68,7 +68,7 @@ class ServingCluster:
             await self.shutdown()
             raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})")
         first = infos[0]
-        from cluster.metrics import RouterMetrics, TimelineLog
+        from cluster.router.observe import RouterMetrics, TimelineLog
 
         self.metrics = RouterMetrics()
         if config.frontend.metrics_port is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ConfigError, DisaggMode, RouterConfig
+from cluster.router.config import ConfigError, DisaggMode, RouterConfig
 from worker.engine_types import EngineConfig, EngineInputError, InstanceRole
 
 

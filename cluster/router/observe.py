@@ -28,7 +28,7 @@ from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from cluster.router_types import FinalEvent
+from cluster.router.api import FinalEvent
 
 logger = logging.getLogger(__name__)
 

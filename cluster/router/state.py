@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
-from cluster.snapshot import InstanceRole
+from cluster.router.snapshot import InstanceRole
 
 logger = logging.getLogger(__name__)
 
