@@ -1,4 +1,8 @@
-"""Router observability: Prometheus metrics and the per-request timeline log.
+"""Router observability: its counters, Prometheus metrics and the per-request timeline log.
+
+`RouterObserver` is the one owner of all three: the driver reports what happened to it (a request
+ended, a transfer started, a recovery action, an instance's load) and it keeps the counters that
+`ClusterStatus` shows, updates the metrics when they are served, and writes the timeline log.
 
 Metrics live in their own CollectorRegistry (no process globals), served over HTTP by the front end
 process (`frontend.metrics_port`). Latencies are measured at the router, from admission:
@@ -20,15 +24,24 @@ error, usage, instances used and the state timeline (wall-clock seconds), for of
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
+from collections import Counter as Tally
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from cluster.router.api import FinalEvent
+from cluster.router.actions import NoteInconsistent, TransferNote
+from cluster.router.api import FinalEvent, InstanceHealthView
+from cluster.router.config import RecoveryAction
+
+if TYPE_CHECKING:
+    from cluster.router.fleet import Member
+    from cluster.router.flow import RequestFlow
+    from worker.instance_protocol import PushResult
 
 logger = logging.getLogger(__name__)
 
@@ -114,3 +127,99 @@ class TimelineLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+class RouterObserver:
+    """Counters (always), metrics and the timeline log (when configured) of one router."""
+
+    def __init__(self, metrics: RouterMetrics | None = None, timeline_log: TimelineLog | None = None) -> None:
+        self.metrics = metrics
+        self.timeline_log = timeline_log
+        self.outcomes: Tally = Tally()
+        self.recovery_actions: Tally = Tally()
+        self.transfers: Tally = Tally()
+        self.inconsistent_reports = 0  # local states that contradicted the global view (must stay 0)
+        self.illegal_transitions = 0  # refused by the transition table (a router bug; must stay 0)
+        # The refused transitions themselves, each with the stack that attempted it (the last few),
+        # so that a test or an operator sees what happened, not only that it did.
+        self.illegal_transition_reports: collections.deque[str] = collections.deque(maxlen=16)
+
+    # --- requests -----------------------------------------------------------------------------------
+    def request_ended(self, flow: RequestFlow, final: FinalEvent, now_s: float) -> None:
+        key = final.outcome.value if final.error_kind is None else f"{final.outcome.value}:{final.error_kind.value}"
+        self.outcomes[key] += 1
+        if self.timeline_log is not None:
+            try:
+                self.timeline_log.write(flow.request_id, flow.client_request_id, final)
+            except OSError as error:
+                logger.warning("timeline log: %s", error)
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.requests.labels(final.outcome.value, final.error_kind.value if final.error_kind else "OK").inc()
+        metrics.e2e.observe(now_s - flow.admitted_s)
+        produced = len(flow.outputs)
+        if flow.first_token_s is not None and produced > 1:
+            metrics.tpot.observe((now_s - flow.first_token_s) / (produced - 1))
+        entries = flow.timeline.entries
+        for entry, following in zip(entries, entries[1:], strict=False):
+            metrics.state_seconds.labels(entry.state.name).observe(following.timestamp_s - entry.timestamp_s)
+
+    def first_token(self, ttft_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.ttft.observe(ttft_s)
+
+    def requests_in_router(self, in_flight: int, queued: int) -> None:
+        if self.metrics is not None:
+            self.metrics.in_flight.set(in_flight)
+            self.metrics.queue_depth.set(queued)
+
+    # --- recovery and transfers ---------------------------------------------------------------------
+    def recovery(self, request_id: str, action: RecoveryAction, reason: str) -> None:
+        self.recovery_actions[action] += 1
+        if self.metrics is not None:
+            self.metrics.recovery.labels(action.value).inc()
+        logger.warning("request %s: %s -> %s", request_id, reason, action.value)
+
+    def transfer(self, note: TransferNote) -> None:
+        self.transfers[note.value] += 1
+        if self.metrics is not None:
+            self.metrics.transfers.labels(note.value).inc()
+
+    def push_result(self, push: PushResult) -> None:
+        if push.ok:
+            self.transfers["pushed"] += 1
+        else:
+            self.transfers[f"failed_{push.reason}"] += 1
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.transfer_bytes.inc(push.bytes_sent)
+            metrics.transfer_seconds.observe(push.elapsed_s)
+            if not push.ok:
+                metrics.transfers.labels("failed").inc()
+                metrics.transfer_failures.labels(push.reason or "UNKNOWN").inc()
+
+    # --- bugs -----------------------------------------------------------------------------------------
+    def inconsistent(self, note: NoteInconsistent) -> None:
+        self.inconsistent_reports += 1
+        logger.warning(
+            "request %s: %s reports %s while the router has it in %s",
+            note.request_id, note.instance_id, note.local_state, note.global_state,
+        )
+
+    def illegal(self, report: str) -> None:
+        self.illegal_transitions += 1
+        self.illegal_transition_reports.append(report)
+
+    # --- instances ------------------------------------------------------------------------------------
+    def instance(self, member: Member) -> None:
+        metrics = self.metrics
+        if metrics is None:
+            return
+        labels = (member.instance_id, member.info.role.value)
+        metrics.healthy.labels(*labels).set(1.0 if member.health is InstanceHealthView.HEALTHY else 0.0)
+        load = member.load
+        if load is not None and load.total_blocks:
+            metrics.kv_utilization.labels(*labels).set(1.0 - load.free_blocks / load.total_blocks)
+            metrics.queued.labels(*labels).set(load.queued_requests)
+            metrics.running.labels(*labels).set(load.running_requests)

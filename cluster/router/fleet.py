@@ -1,0 +1,194 @@
+"""The router's registry of instances: who they are, their health, their load and prefix caches,
+and the placement decisions that read them (the FleetView of cluster/router/flow.py).
+
+Health: a poll that answers makes an instance HEALTHY; a failed or late poll makes it DEGRADED
+(no new work); silence for `health.dead_after_s` makes it dead (UNHEALTHY: the driver recovers
+every hop it held). A dead instance that answers again (SIGCONT, a restart under the same name)
+comes back HEALTHY; a new incarnation means a new process whose predecessor's state is gone.
+Client errors never count against an instance's health: only failed or late polls do.
+
+Placement reads one snapshot per instance; snapshots are rebuilt when a load report or a health
+change arrives, not per decision.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cluster.router.api import InstanceHealthView
+from cluster.router.config import PlacementConfig
+from cluster.router.instance_client import InstanceClient
+from cluster.router.placement import Candidate, InstanceHealth, PlacementPlan, PlacementRequest, Placer
+from cluster.router.prefix_index import PrefixIndex
+from cluster.router.snapshot import InstanceLoad, PrefixEvent, PrefixEventKind
+from worker.engine_types import EngineLoad, InstanceRole
+from worker.instance_protocol import InstanceInfo, PollBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    """One registered instance."""
+
+    client: InstanceClient
+    info: InstanceInfo
+    health: InstanceHealthView = InstanceHealthView.HEALTHY
+    last_ok_s: float = 0.0
+    last_report_wall_s: float = 0.0
+    load: EngineLoad | None = None
+    poll_sequence: int = 0
+    task: object = None  # the driver's poll task (an asyncio.Task)
+    dead: bool = False
+    attempts: set[str] = field(default_factory=set)  # engine ids of hops believed live there
+    candidate: Candidate | None = None  # what placement reads of it; None: rebuild (load or health changed)
+    # Hops to abort when it answers again: those it held when it was declared dead, and those
+    # whose stop could not reach it.
+    to_abort: set[str] = field(default_factory=set)
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+
+class Fleet:
+    """Instances by id, their health and load, the prefix index, and placement over them."""
+
+    def __init__(self, placement: PlacementConfig, rng: random.Random, dead_after_s: float) -> None:
+        self.members: dict[str, Member] = {}
+        self.prefix = PrefixIndex()
+        self._placer = Placer(placement, rng)
+        self._dead_after_s = dead_after_s
+
+    # --- registry -----------------------------------------------------------------------------------
+    def register(self, client: InstanceClient, info: InstanceInfo, now_s: float, wall_s: float) -> Member:
+        """Add an instance, or replace a registration under the same id (a restarted instance)."""
+        member = Member(client, info, last_ok_s=now_s, last_report_wall_s=wall_s)
+        self.members[info.instance_id] = member
+        self.prefix.remove_instance(info.instance_id)
+        return member
+
+    def get(self, instance_id: str) -> Member | None:
+        return self.members.get(instance_id)
+
+    # --- health -------------------------------------------------------------------------------------
+    def answered(self, member: Member, now_s: float) -> None:
+        """A poll came back: the instance is reachable."""
+        if member.health is not InstanceHealthView.HEALTHY:
+            member.candidate = None
+        member.health = InstanceHealthView.HEALTHY
+        member.last_ok_s = now_s
+
+    def silent(self, member: Member, now_s: float, reason: str) -> bool:
+        """A poll failed or was late. True when the instance is now to be declared dead."""
+        if member.dead:
+            return False
+        silent_s = now_s - member.last_ok_s
+        if silent_s >= self._dead_after_s:
+            return True
+        if member.health is InstanceHealthView.HEALTHY:
+            member.health = InstanceHealthView.DEGRADED
+            member.candidate = None
+            logger.warning("instance %s degraded: %s", member.instance_id, reason)
+        return False
+
+    def silent_for_s(self, member: Member, now_s: float) -> float:
+        return now_s - member.last_ok_s
+
+    def mark_dead(self, member: Member, reason: str) -> list[str]:
+        """Take an instance for dead; returns the engine ids of the hops it held (to recover, and
+        to abort should it answer again)."""
+        member.dead = True
+        member.health = InstanceHealthView.UNHEALTHY
+        member.candidate = None
+        self.prefix.remove_instance(member.instance_id)
+        logger.error("instance %s declared dead: %s", member.instance_id, reason)
+        held = sorted(member.attempts)
+        member.attempts.clear()
+        member.to_abort.update(held)
+        return held
+
+    def revive(self, member: Member) -> list[str]:
+        """A dead instance answers again: it starts from an empty prefix view. Returns the hops it
+        may still hold that the router gave up meanwhile (to abort there)."""
+        member.dead = False
+        member.candidate = None
+        self.prefix.remove_instance(member.instance_id)
+        logger.info("instance %s re-registered", member.instance_id)
+        stale = sorted(member.to_abort)
+        member.to_abort.clear()
+        return stale
+
+    # --- load -----------------------------------------------------------------------------------------
+    def apply_load(self, member: Member, batch: PollBatch, wall_s: float, reset: bool) -> None:
+        """A load report: the instance's load, and its prefix cache events for the prefix index."""
+        load = batch.load
+        assert load is not None
+        member.load = load
+        member.last_report_wall_s = wall_s
+        member.poll_sequence = batch.sequence
+        member.candidate = None
+        self.prefix.apply(self.load_snapshot(member, sequence=batch.sequence, prefix_events=_grouped(load), reset=reset))
+
+    def load_snapshot(
+        self, member: Member, *, sequence: int | None = None, prefix_events: tuple[PrefixEvent, ...] = (), reset: bool = False
+    ) -> InstanceLoad:
+        load = member.load
+        info = member.info
+        return InstanceLoad(
+            instance_id=info.instance_id,
+            role=info.role,
+            sequence=max(member.poll_sequence if sequence is None else sequence, 0),
+            timestamp_s=member.last_report_wall_s,
+            total_blocks=load.total_blocks if load else info.num_blocks,
+            free_blocks=load.free_blocks if load else info.num_blocks,
+            tokens_per_block=info.layout.tokens_per_block,
+            queued_requests=load.queued_requests if load else 0,
+            running_requests=load.running_requests if load else 0,
+            queued_prompt_tokens=load.queued_prompt_tokens if load else 0,
+            tokens_in_flight=load.tokens_in_flight if load else 0,
+            num_paused=load.num_paused if load else 0,
+            prefix_events=prefix_events,
+            reset=reset,
+        )
+
+    # --- placement (FleetView) ------------------------------------------------------------------------
+    def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
+        return self._placer.place(request, self._candidates_excluding(exclude), self.prefix.overlap(request.block_hashes))
+
+    def _candidates_excluding(self, exclude: frozenset[str]) -> Sequence[Candidate]:
+        candidates = [m.candidate or self._refresh(m) for m in self.members.values()]
+        if not exclude:
+            return candidates
+        return [Candidate(c.load, InstanceHealth.UNHEALTHY) if c.instance_id in exclude else c for c in candidates]
+
+    def _refresh(self, member: Member) -> Candidate:
+        healthy = member.health is InstanceHealthView.HEALTHY
+        member.candidate = Candidate(self.load_snapshot(member), InstanceHealth.HEALTHY if healthy else InstanceHealth.UNHEALTHY)
+        return member.candidate
+
+    def is_healthy(self, instance_id: str) -> bool:
+        member = self.members.get(instance_id)
+        return member is not None and member.health is InstanceHealthView.HEALTHY
+
+    def has_healthy(self, roles: frozenset[InstanceRole], exclude: frozenset[str]) -> bool:
+        return any(
+            m.health is InstanceHealthView.HEALTHY and m.info.role in roles and m.instance_id not in exclude
+            for m in self.members.values()
+        )
+
+    def role(self, instance_id: str) -> InstanceRole:
+        return self.members[instance_id].info.role
+
+
+def _grouped(load: EngineLoad) -> tuple[PrefixEvent, ...]:
+    """The instance's prefix events as the index takes them: runs of one kind, in report order."""
+    events = []
+    for kind, group in itertools.groupby(load.prefix_events, key=lambda e: e.kind.value):
+        hashes = tuple(e.block_hash for e in group)
+        events.append(PrefixEvent(PrefixEventKind.STORED if kind == "stored" else PrefixEventKind.REMOVED, hashes))
+    return tuple(events)

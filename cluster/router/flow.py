@@ -1,0 +1,593 @@
+"""The flow of one request through the cluster, as pure code: events in, actions out.
+
+No asyncio, no I/O, no clock of its own: every handler takes the time (`now_s`) and a read-only
+view of the fleet (`FleetView`: health and placement), changes the request's state synchronously
+and returns the actions the driver must execute (cluster/router/actions.py). Because a handler
+runs to completion before the next event is looked at, nothing can change a request between a
+decision and its transition; the driver only orders the I/O (a hop's stop after its submit).
+
+The disaggregated flow (engine ids carry the hop and attempt: "<id>.p1", "<id>.g1", "<id>.c1"):
+
+  QUEUED -> place (generation hop first, then conditional disaggregation, then prefill hop)
+  CONTEXT_WAIT        StartHop CONTEXT_ONLY on the prefill instance
+  CONTEXT_IN_PROGRESS its first chunk is scheduled ("prefill started")
+  GENERATION_INIT     its first token streams to the client; StartHop GENERATION_ONLY (prompt +
+                      first token) on the generation instance, which reserves blocks
+  TRANSMISSION        the reservation's transfer id goes to the prefill instance: Push
+  GENERATING          the generation instance committed the KV; its tokens stream to the client
+  COMPLETE
+
+Colocated requests (conditional disaggregation, or a configured fallback) run
+CONTEXT_AND_GENERATION on one GENERATION/MIXED instance.
+
+Recovery (the configured chain, bounded, RecoveryConfig): when a transfer fails, a stage times
+out or an instance dies, the flow takes the first applicable action with attempts left:
+RETRY_TRANSFER (the prefill instance still holds the KV: reserve again, push again),
+REPREFILL_ELSEWHERE (run the prefill hop again elsewhere), RECOMPUTE_LOCAL (a generation instance
+runs prompt + tokens so far itself), FAIL (a clear status). Seeds are fixed at admission and
+sampling is keyed by (seed, output position), so a recovered request produces exactly the tokens
+of a fault-free run, and tokens already streamed are never streamed again.
+
+The state machine and its table are in cluster/router/state.py; every transition goes through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from cluster.router.actions import (
+    Action,
+    EmitTokens,
+    Finish,
+    NoteInconsistent,
+    NoteRecovery,
+    NoteTransfer,
+    Phase,
+    Push,
+    StartHop,
+    StopHop,
+    TransferNote,
+)
+from cluster.router.api import ErrorKind, FinalEvent, InstanceUse, Outcome, TimelineEntry, TokenEvent, Usage
+from cluster.router.config import RecoveryAction, RouterConfig
+from cluster.router.placement import NoInstanceAvailable, PlacementPlan, PlacementRequest
+from cluster.router.state import (
+    TRANSITIONS,
+    GlobalState,
+    IllegalTransition,
+    RequestTimeline,
+    Route,
+    global_states_for_local,
+)
+from cluster.router.state import RequestType as LocalRequestType
+from worker.engine_types import EVENT_PREFILL_STARTED, ErrorCode, InstanceRole, RequestOutput
+from worker.instance_protocol import PushResult, ReservationNotice
+from worker.sampling import SamplingParams
+from worker.stopping import FinishReason
+
+logger = logging.getLogger(__name__)
+
+GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
+PREFILL_ROLES = frozenset({InstanceRole.PREFILL})
+_LOCAL_TYPES = {
+    Phase.PREFILL: LocalRequestType.CONTEXT_ONLY,
+    Phase.GENERATION: LocalRequestType.GENERATION_ONLY,
+    Phase.COLOCATED: LocalRequestType.CONTEXT_AND_GENERATION,
+}
+# Local states that end a hop; the hop's outputs, not its state events, say how it ended.
+_ENDING_STATES = frozenset({"GENERATION_COMPLETE", "DISAGG_TRANS_ERROR", "DISAGG_CONTEXT_COMPLETE"})
+
+
+class FleetView(Protocol):
+    """What the flow reads of the fleet (cluster/router/fleet.py implements it)."""
+
+    def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
+        """Both hops of a request; raises NoInstanceAvailable."""
+        ...
+
+    def is_healthy(self, instance_id: str) -> bool: ...
+
+    def has_healthy(self, roles: frozenset[InstanceRole], exclude: frozenset[str]) -> bool: ...
+
+    def role(self, instance_id: str) -> InstanceRole: ...
+
+
+@dataclass
+class Attempt:
+    """One hop of a request on one instance."""
+
+    request_id: str
+    phase: Phase
+    number: int
+    instance_id: str
+    live: bool = True  # the instance may still hold state for it
+    context_done: bool = False  # PREFILL: first token out, KV held for the hand-over
+    transfer_id: str | None = None
+    handed_over: bool = False
+    failure_handled: bool = False
+    recompute: bool = False
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.request_id}.{self.phase.suffix}{self.number}"
+
+    @property
+    def holds_handover_kv(self) -> bool:
+        """A prefill hop whose KV is final and still held for its hand-over."""
+        return self.phase is Phase.PREFILL and self.live and self.context_done
+
+
+class RequestFlow:
+    """One admitted request: its global state, its hops, and the decisions of the P/D flow."""
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        client_request_id: str | None,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        priority: float,
+        block_hashes: tuple[int, ...],
+        deadline_s: float | None,
+        now_s: float,
+        config: RouterConfig,
+        attempt_numbers: Counter | None = None,
+        on_illegal: Callable[[str], None] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.client_request_id = client_request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.block_hashes = block_hashes
+        self.deadline_s = deadline_s
+        self.admitted_s = now_s
+        self._now_s = now_s
+        self._config = config
+        self._on_illegal = on_illegal
+        self.timeline = RequestTimeline(request_id, clock=lambda: self._now_s)
+        self.outputs: list[int] = []
+        self.cached_tokens = 0
+        self.prefill: Attempt | None = None
+        self.generation: Attempt | None = None  # the GENERATION or COLOCATED hop
+        self.planned_generation: str | None = None  # the generation instance chosen at placement
+        # A client's name used again continues the previous request's hop numbers ("r.c2" after
+        # "r.c1"), so that an instance still ending the old hop neither refuses the new one as a
+        # duplicate nor has its late report taken for the new request's.
+        self.attempt_numbers: Counter = Counter(attempt_numbers or ())
+        self.recovery: Counter = Counter()
+        self.uses: list[InstanceUse] = []
+        self.final: FinalEvent | None = None
+        self.error = ""
+        self.first_token_s: float | None = None
+
+    # --- reading ------------------------------------------------------------------------------------
+    @property
+    def ended(self) -> bool:
+        return self.final is not None
+
+    @property
+    def state(self) -> GlobalState:
+        return self.timeline.state
+
+    def hops(self) -> tuple[Attempt, ...]:
+        return tuple(a for a in (self.prefill, self.generation) if a is not None)
+
+    def timeline_entries(self, wall_offset_s: float) -> tuple[TimelineEntry, ...]:
+        return tuple(
+            TimelineEntry(e.state.name, e.timestamp_s + wall_offset_s, e.instance_id or "", e.detail)
+            for e in self.timeline.entries
+        )
+
+    # --- admission ----------------------------------------------------------------------------------
+    def admit(self, now_s: float, fleet: FleetView) -> list[Action]:
+        """Place the request and start its first hop."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        try:
+            plan = fleet.place(self.placement_request(), frozenset())
+        except NoInstanceAvailable as error:
+            return self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"no instance can serve it: {error}")
+        detail = plan.decision.detail
+        if plan.fallback is not None:
+            detail = f"fallback {plan.fallback.kind.value}: {plan.fallback.reason}"
+        self._start_plan(actions, fleet, plan, detail)
+        return actions
+
+    def placement_request(self) -> PlacementRequest:
+        return PlacementRequest(
+            request_id=self.request_id,
+            prompt_tokens=len(self.prompt_token_ids) + len(self.outputs),
+            block_hashes=self.block_hashes,
+            expected_decode_tokens=max(0, self.params.max_tokens - len(self.outputs)),
+        )
+
+    def _start_plan(self, actions: list[Action], fleet: FleetView, plan: PlacementPlan, detail: str) -> None:
+        if plan.route is Route.DISAGGREGATED:
+            self.planned_generation = plan.generation.instance_id
+            self._transition(GlobalState.CONTEXT_WAIT, plan.context.instance_id, detail, Route.DISAGGREGATED)
+            self._start(actions, fleet, Phase.PREFILL, plan.context.instance_id)
+        else:
+            self._transition(GlobalState.CONTEXT_WAIT, plan.generation.instance_id, detail, Route.COLOCATED)
+            self._start(actions, fleet, Phase.COLOCATED, plan.generation.instance_id)
+
+    # --- reports from instances ---------------------------------------------------------------------
+    def on_state(self, attempt: Attempt, role: InstanceRole, local_state: str, detail: str, now_s: float) -> list[Action]:
+        """A local state event of a live hop."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if not attempt.live or self.ended:
+            return actions
+        current = self.state
+        if detail == EVENT_PREFILL_STARTED and current is GlobalState.CONTEXT_WAIT and attempt.phase is not Phase.GENERATION:
+            self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+        elif local_state == "DISAGG_GENERATION_TRANS_COMPLETE" and attempt.phase is Phase.GENERATION:
+            if current is GlobalState.TRANSMISSION:
+                actions.append(NoteTransfer(TransferNote.COMMITTED))
+                self._transition(GlobalState.GENERATING, attempt.instance_id, "KV received and verified")
+        if not self._consistent(attempt, role, local_state):
+            actions.append(NoteInconsistent(self.request_id, attempt.instance_id, local_state, self.state.name))
+        return actions
+
+    def _consistent(self, attempt: Attempt, role: InstanceRole, local_state: str) -> bool:
+        """Whether the global view can be in, or move to, what an instance reports."""
+        if attempt.recompute or local_state in _ENDING_STATES:
+            return True  # a recompute replays states out of the usual order; ends are judged by outputs
+        try:
+            allowed = global_states_for_local(local_state, role, _LOCAL_TYPES[attempt.phase])
+        except ValueError:
+            allowed = frozenset()
+        reachable = {target[0] for target in TRANSITIONS.get(self.timeline.node, frozenset())}
+        return self.state in allowed or bool(allowed & reachable)
+
+    def on_output(self, attempt: Attempt, output: RequestOutput, now_s: float, fleet: FleetView) -> list[Action]:
+        """Tokens of a hop, and whether it finished (how, and its KV state for a prefill hop)."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.ended:
+            return actions
+        if not attempt.live and not (attempt.phase is Phase.PREFILL and output.finished):
+            return actions
+        if output.new_token_ids and attempt.live:
+            self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+            if attempt.phase is Phase.COLOCATED and self.state in (GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS):
+                if self.state is GlobalState.CONTEXT_WAIT:
+                    self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+                if not (output.finished and output.error is None):
+                    self._transition(GlobalState.GENERATING, attempt.instance_id, "first token")
+            first = self.first_token_s is None
+            if first:
+                self.first_token_s = now_s
+            actions.append(
+                EmitTokens(self.request_id, TokenEvent(tuple(output.new_token_ids), output.text_delta, tuple(output.logprobs)), first_token=first)
+            )
+            self.outputs.extend(output.new_token_ids)
+        if attempt.phase is Phase.PREFILL:
+            self._on_prefill_output(actions, attempt, output, fleet)
+        elif output.finished:
+            self._on_hop_finished(actions, attempt, output, fleet)
+        return actions
+
+    def _on_prefill_output(self, actions: list[Action], attempt: Attempt, output: RequestOutput, fleet: FleetView) -> None:
+        if output.context_done and attempt.live and not attempt.context_done:
+            attempt.context_done = True
+            if self.state is GlobalState.CONTEXT_WAIT:
+                self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+            target = self.planned_generation
+            if target is None or not fleet.is_healthy(target):
+                target = self._choose_generation(fleet, frozenset())
+            if target is None:
+                self._recover(actions, attempt, "no generation instance for the hand-over", fleet, kv_survives=True)
+                return
+            self._transition(GlobalState.GENERATION_INIT, target, "first token; reserving KV")
+            self._start(actions, fleet, Phase.GENERATION, target)
+            return
+        if not output.finished:
+            return
+        was_live = attempt.live
+        attempt.live = False
+        if output.handed_over:
+            attempt.handed_over = True
+            return
+        if output.error is None:
+            # The first token was also the last (stop token, max_tokens 1, stop string).
+            self._complete(actions, output)
+            return
+        # An error the router caused (abort, release after a decision) was already handled.
+        if not was_live or output.error.code is ErrorCode.ABORTED or attempt.failure_handled:
+            return
+        self._transfer_failed(actions, attempt, f"{output.error.code.value}: {output.error.detail}", fleet, kv_survives=False)
+
+    def _on_hop_finished(self, actions: list[Action], attempt: Attempt, output: RequestOutput, fleet: FleetView) -> None:
+        attempt.live = False
+        if output.error is None:
+            self._complete(actions, output)
+            return
+        if output.error.code is ErrorCode.ABORTED or attempt.failure_handled:
+            return
+        if attempt.phase is Phase.GENERATION and self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+            kv_survives = self.prefill is not None and self.prefill.holds_handover_kv
+            reason = f"{output.error.transfer_reason or output.error.code.value}: {output.error.detail}"
+            self._transfer_failed(actions, attempt, reason, fleet, kv_survives=kv_survives)
+        else:
+            self._recover(actions, attempt, f"{output.error.code.value}: {output.error.detail}", fleet, kv_survives=False)
+
+    def on_reservation(self, attempt: Attempt, notice: ReservationNotice, now_s: float, fleet: FleetView) -> list[Action]:
+        """The generation instance reserved blocks for a hop: ask the prefill instance to push."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.ended or not attempt.live or attempt.phase is not Phase.GENERATION:
+            return actions
+        prefill = self.prefill
+        attempt.transfer_id = notice.transfer_id
+        if prefill is None or not prefill.holds_handover_kv:
+            self._recover(actions, attempt, "reservation made but the prefill KV is gone", fleet, kv_survives=False)
+            return actions
+        self._transition(GlobalState.TRANSMISSION, attempt.instance_id, f"pushing {notice.num_blocks} blocks")
+        actions.append(NoteTransfer(TransferNote.STARTED))
+        actions.append(
+            Push(
+                request_id=self.request_id,
+                instance_id=prefill.instance_id,
+                engine_id=prefill.engine_id,
+                target_instance_id=attempt.instance_id,
+                target_engine_id=attempt.engine_id,
+                transfer_id=notice.transfer_id,
+                deadline_s=self._config.timeouts.transfer_s,
+            )
+        )
+        return actions
+
+    def on_push_result(self, attempt: Attempt, push: PushResult, now_s: float, fleet: FleetView) -> list[Action]:
+        """A prefill instance's result of a push it made for `attempt` (a prefill hop)."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.ended or push.ok or attempt.phase is not Phase.PREFILL:
+            return actions
+        generation = self.generation
+        if generation is None or generation.transfer_id != push.transfer_id or generation.failure_handled:
+            return actions
+        if self.state not in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+            # The receiver committed this transfer before the sender saw its call fail (a
+            # connection lost after the commit): the hand-over stands; free the sender's copy.
+            self._stop(actions, attempt, "KV already committed by the receiver")
+            return actions
+        self._transfer_failed(actions, generation, f"{push.reason}: {push.detail}", fleet, kv_survives=attempt.live)
+        return actions
+
+    def on_push_call_failed(self, generation: Attempt, reason: str, now_s: float, fleet: FleetView) -> list[Action]:
+        """The prefill instance could not be asked to push (unreachable): its KV is lost to us."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.prefill is not None:
+            self.prefill.live = False
+        self._transfer_failed(actions, generation, reason, fleet, kv_survives=False)
+        return actions
+
+    def on_submit_failed(
+        self, attempt: Attempt, now_s: float, fleet: FleetView, *, rejected: tuple[str, str] | None = None, unavailable: str | None = None
+    ) -> list[Action]:
+        """A hop's submit failed: the instance refused its input (a client error), or could not be
+        reached (recovery, with the instance suspected)."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.ended or not attempt.live:
+            return actions  # stopped meanwhile: nothing to recover
+        attempt.live = False
+        if rejected is not None:
+            field, message = rejected
+            return self._end(actions, Outcome.ERROR, None, None, ErrorKind.INVALID_ARGUMENT, f"{field}: {message}")
+        self._recover(actions, attempt, f"{attempt.instance_id} unavailable: {unavailable}", fleet, kv_survives=False, suspect=attempt.instance_id)
+        return actions
+
+    def on_instance_dead(self, attempt: Attempt, reason: str, now_s: float, fleet: FleetView) -> list[Action]:
+        """The instance of a live hop died (or restarted): what it held is gone."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.ended or not attempt.live:
+            return actions
+        attempt.live = False
+        # The KV a prefill hop holds dies with it; a generation hop loses its reservation.
+        kv_survives = attempt.phase is Phase.GENERATION and self.prefill is not None and self.prefill.holds_handover_kv
+        self._recover(actions, attempt, reason, fleet, kv_survives=kv_survives, suspect=attempt.instance_id)
+        return actions
+
+    # --- time ---------------------------------------------------------------------------------------
+    def on_tick(self, now_s: float, fleet: FleetView) -> list[Action]:
+        """The request's deadline and its current stage's timeout."""
+        self._now_s = now_s
+        actions: list[Action] = []
+        if self.ended:
+            return actions
+        if self.deadline_s is not None and now_s >= self.deadline_s:
+            return self._end(actions, Outcome.ABORTED, "abort", None, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
+        state = self.state
+        timeouts = self._config.timeouts
+        limit = {
+            GlobalState.CONTEXT_WAIT: timeouts.context_s,
+            GlobalState.CONTEXT_IN_PROGRESS: timeouts.context_s,
+            GlobalState.GENERATION_INIT: timeouts.reservation_s,
+            GlobalState.TRANSMISSION: timeouts.transfer_s,
+            GlobalState.GENERATING: timeouts.generation_s,
+        }.get(state)
+        if limit is None or self.timeline.time_in_state_s() < limit:
+            return actions
+        in_handover = state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION, GlobalState.GENERATING)
+        attempt = self.generation if in_handover else self.prefill
+        if attempt is None or attempt.failure_handled:
+            attempt = self.generation or self.prefill
+        if attempt is None:
+            return actions
+        kv_survives = state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION) and self.prefill is not None and self.prefill.live
+        self._stop(actions, attempt, f"{state.name} exceeded {limit}s")
+        self._recover(actions, attempt, f"{state.name} exceeded its {limit}s stage timeout", fleet, kv_survives=kv_survives)
+        return actions
+
+    # --- ends -----------------------------------------------------------------------------------------
+    def abort(self, now_s: float, error_kind: ErrorKind | None, message: str) -> list[Action]:
+        """End the request as ABORTED (the client's abort has no error kind: its stream ends
+        normally with finish reason "abort"; a deadline, a client gone, a drain name theirs)."""
+        self._now_s = now_s
+        return self._end([], Outcome.ABORTED, "abort", None, error_kind, message)
+
+    def fail(self, now_s: float, error_kind: ErrorKind, message: str) -> list[Action]:
+        self._now_s = now_s
+        return self._end([], Outcome.ERROR, None, None, error_kind, message)
+
+    def _complete(self, actions: list[Action], output: RequestOutput) -> None:
+        reason = output.finish_reason.value if isinstance(output.finish_reason, FinishReason) else None
+        self._end(actions, Outcome.COMPLETE, reason, output.stop_reason, None, "")
+
+    def _end(
+        self,
+        actions: list[Action],
+        outcome: Outcome,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        error_kind: ErrorKind | None,
+        message: str,
+    ) -> list[Action]:
+        if self.ended:
+            return actions
+        for attempt in self.hops():
+            # A completed request's handed-over prefill hop is done there already.
+            if not (outcome is Outcome.COMPLETE and attempt.handed_over):
+                self._stop(actions, attempt, message or "request ended")
+        state = {Outcome.COMPLETE: GlobalState.COMPLETE, Outcome.ERROR: GlobalState.ERROR, Outcome.ABORTED: GlobalState.ABORTED}[outcome]
+        self._transition(state, None, message or (finish_reason or ""))
+        if message:
+            self.error = message
+        self.final = FinalEvent(
+            outcome=outcome,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            usage=Usage(len(self.prompt_token_ids), len(self.outputs), self.cached_tokens),
+            timeline=(),  # filled in by the driver, which knows the wall clock
+            instances=tuple(self.uses),
+            error_kind=error_kind,
+            error_message=message,
+        )
+        actions.append(Finish(self.request_id, self.final))
+        return actions
+
+    # --- recovery -------------------------------------------------------------------------------------
+    def _transfer_failed(self, actions: list[Action], attempt: Attempt, reason: str, fleet: FleetView, *, kv_survives: bool) -> None:
+        if self.ended or attempt.failure_handled:
+            return
+        self._recover(actions, attempt, f"KV transfer failed: {reason}", fleet, kv_survives=kv_survives)
+
+    def _recover(
+        self, actions: list[Action], attempt: Attempt, reason: str, fleet: FleetView, *, kv_survives: bool, suspect: str | None = None
+    ) -> None:
+        """Take the next action of the recovery chain after `attempt` failed."""
+        if self.ended:
+            return
+        attempt.failure_handled = True
+        exclude = frozenset({suspect} if suspect else ())
+        prefill = self.prefill
+        applicable = {RecoveryAction.FAIL}
+        if kv_survives and prefill is not None and prefill.holds_handover_kv and fleet.has_healthy(GENERATION_ROLES, exclude):
+            applicable.add(RecoveryAction.RETRY_TRANSFER)
+        # Re-placement excludes the request's current prefill instance: judge applicability on the
+        # same candidates, or the chain stops at a placement failure instead of moving on.
+        elsewhere = exclude | ({prefill.instance_id} if prefill is not None else frozenset())
+        if fleet.has_healthy(PREFILL_ROLES, elsewhere) and fleet.has_healthy(GENERATION_ROLES, elsewhere):
+            applicable.add(RecoveryAction.REPREFILL_ELSEWHERE)
+        if fleet.has_healthy(GENERATION_ROLES, exclude):
+            applicable.add(RecoveryAction.RECOMPUTE_LOCAL)
+        action = self._config.recovery.next_action(dict(self.recovery), frozenset(applicable))
+        self.recovery[action] += 1
+        actions.append(NoteRecovery(self.request_id, action, reason))
+        self.error = reason
+        if action is RecoveryAction.RETRY_TRANSFER:
+            target = self._choose_generation(fleet, exclude)
+            if target is None:  # pragma: no cover - checked by applicability
+                self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, reason)
+                return
+            self._stop(actions, self.generation, "transfer retried")
+            self._transition(GlobalState.GENERATION_INIT, target, f"retry transfer ({reason})")
+            self._start(actions, fleet, Phase.GENERATION, target)
+        elif action is RecoveryAction.RECOMPUTE_LOCAL:
+            previous = self.generation
+            target = None
+            if previous is not None and previous.instance_id not in exclude and fleet.is_healthy(previous.instance_id):
+                target = previous.instance_id
+            if target is None:
+                target = self._choose_generation(fleet, exclude)
+            if target is None:  # pragma: no cover - checked by applicability
+                self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, reason)
+                return
+            self._stop(actions, self.prefill, "recomputing on the generation instance")
+            self._stop(actions, previous, "recomputing on the generation instance")
+            detail = f"recompute locally on {target} ({reason})"
+            if self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+                self._transition(GlobalState.GENERATING, target, detail, Route.COLOCATED)
+            else:
+                self._transition(GlobalState.CONTEXT_WAIT, target, detail, Route.COLOCATED)
+            self._start(actions, fleet, Phase.COLOCATED, target, recompute=True)
+        elif action is RecoveryAction.REPREFILL_ELSEWHERE:
+            excluded = exclude | ({prefill.instance_id} if prefill is not None else frozenset())
+            try:
+                plan = fleet.place(self.placement_request(), frozenset(excluded))
+            except NoInstanceAvailable as error:
+                self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"{reason}; re-placement failed: {error}")
+                return
+            self._stop(actions, self.prefill, "prefill re-run elsewhere")
+            self._stop(actions, self.generation, "prefill re-run elsewhere")
+            what = "re-run prefill" if plan.route is Route.DISAGGREGATED else "re-run colocated"
+            self._start_plan(actions, fleet, plan, f"{what} ({reason})")
+        else:
+            self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"{reason}; recovery exhausted")
+
+    def _choose_generation(self, fleet: FleetView, exclude: frozenset[str]) -> str | None:
+        try:
+            return fleet.place(self.placement_request(), exclude).generation.instance_id
+        except NoInstanceAvailable:
+            return None
+
+    # --- hops and transitions ---------------------------------------------------------------------
+    def _start(self, actions: list[Action], fleet: FleetView, phase: Phase, instance_id: str, *, recompute: bool = False) -> None:
+        self.attempt_numbers[phase] += 1
+        attempt = Attempt(self.request_id, phase, self.attempt_numbers[phase], instance_id, recompute=recompute)
+        if phase is Phase.PREFILL:
+            self.prefill = attempt
+        else:
+            self.generation = attempt
+        self.uses.append(InstanceUse(instance_id, fleet.role(instance_id), "recompute" if recompute else phase.value, attempt.number))
+        actions.append(
+            StartHop(
+                request_id=self.request_id,
+                engine_id=attempt.engine_id,
+                instance_id=instance_id,
+                phase=phase,
+                prompt_token_ids=self.prompt_token_ids,
+                sampling=self.params,
+                output_token_ids=tuple(self.outputs),
+                priority=self.priority,
+            )
+        )
+
+    @staticmethod
+    def _stop(actions: list[Action], attempt: Attempt | None, detail: str) -> None:
+        """Retire a live hop at once (reports from it are ignored from here on) and have its
+        instance free what it holds."""
+        if attempt is None or not attempt.live:
+            return
+        attempt.live = False
+        release = attempt.phase is Phase.PREFILL and attempt.context_done
+        actions.append(StopHop(attempt.engine_id, attempt.instance_id, release, detail))
+
+    def _transition(self, state: GlobalState, instance_id: str | None, detail: str, route: Route | None = None) -> None:
+        try:
+            self.timeline.transition(state, instance_id=instance_id, route=route, detail=detail)
+        except IllegalTransition as error:
+            if self._on_illegal is not None:
+                self._on_illegal(f"{error}\n{''.join(traceback.format_stack(limit=20))}")
+            logger.exception("router bug: illegal transition for %s", self.request_id)
+            raise
