@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from cluster.cli.chaos import EXIT_INVARIANT_BROKEN, add_chaos, main
+from cluster.cli.chaos import EXIT_INVARIANT_BROKEN, add_parser, main
 from cluster.client import InstanceWork, StateChange
 from cluster.loadgen.chaos import (
     FAULT_KINDS,
@@ -161,7 +161,7 @@ def test_the_command_line_refuses_bad_values_with_exit_status_2(capsys) -> None:
     assert main(["--fault-rate", "2"]) == 2
     assert "--fault-rate" in capsys.readouterr().err
     parser = argparse.ArgumentParser(prog="duet")
-    add_chaos(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["chaos", "--requests", "7", "--kill-every", "0", "--address", "ray://head:10001"])
     assert (args.requests, args.kill_every, args.address, args.fault_rate) == (7, 0, "ray://head:10001", 0.05)
     assert callable(args.handler)
