@@ -132,7 +132,7 @@ def point_document(result: PointResult, *, include_requests: bool = True) -> dic
         "max_send_lag_s": result.outcome.max_send_lag_s,
     }
     if include_requests:
-        data["requests"] = [asdict(record) for record in result.outcome.records]
+        data["requests"] = [record.to_dict() for record in result.outcome.records]
     return data
 
 
