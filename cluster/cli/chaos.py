@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_handler, setup_logging
-from cluster.loadgen.chaos import SoakConfig, SoakConfigError, SoakError
+from cluster.loadgen.chaos_plan import SoakConfig, SoakConfigError, SoakError
 from cluster.router.config import ConfigError
 
 EXIT_DEPLOY = 3
