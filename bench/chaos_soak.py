@@ -7,7 +7,7 @@
 Progress on stderr; the report table on stdout and, as the very last stdout line, the DESIGN.md §8
 JSON object {"bench": "chaos_soak", "figures": {...}, "targets": {lost, leaked_blocks,
 token_mismatches, illegal_transitions: target 0}}. Exit status 0 only when all four are 0.
-Every other flag is `duet chaos`'s (cluster/cli_chaos.py); flags given after --quick win.
+Every other flag is `duet chaos`'s (cluster/cli/chaos.py); flags given after --quick win.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Without --target it starts an embedded cluster (the `duet serve` flags: --config
 seed + its position, so no point hits prefix-cache entries another one left. Requests are greedy with
 ignore_eos unless told otherwise, so output lengths are the workload's. Writes results.json
 (settings, metrics per point, every request's timings) and PNG plots to --out (default
-./bench-results/<timestamp>); the last stdout line is the DESIGN.md §8 JSON envelope.
-`add_bench(subparsers)` adds the subcommand to the `duet` parser.
+./bench-results/<timestamp>); the last stdout line is the benchmark JSON envelope
+(`envelope` in cluster/loadgen/report.py).
 """
 
 from __future__ import annotations
@@ -26,16 +26,48 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from cluster.cli.main import TOKEN_ENV
+from tqdm import tqdm
 
-if TYPE_CHECKING:  # pragma: no cover - the CLI imports these lazily, when the command runs
-    from cluster.deploy.config import ClusterConfig
-    from cluster.loadgen.arrivals import Arrivals
-    from cluster.loadgen.metrics import Slo
-    from cluster.loadgen.runner import PointResult, SamplingSpec
-    from cluster.loadgen.workloads import SharegptPair, WorkloadConfig
+from cluster.cli.common import (
+    EXIT_CODES,
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    ConnectionWording,
+    add_connection_options,
+    client_options,
+    load_cluster_config,
+    rpc_failure,
+    setup_logging,
+    with_free_ports,
+)
+from cluster.client import AsyncDuetClient, DuetError
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.arrivals import ArrivalError, Arrivals, FixedConcurrency, PoissonArrivals
+from cluster.loadgen.metrics import Slo, SloError
+from cluster.loadgen.plots import PlotsUnavailable, plot_all
+from cluster.loadgen.report import (
+    TargetValue,
+    envelope,
+    render_detail,
+    render_sweep,
+    results_document,
+    summary_figures,
+    write_json,
+)
+from cluster.loadgen.runner import LoadRunner, PointResult, SamplingSpec, measure_point
+from cluster.loadgen.workloads import (
+    WARMUP_SEED_OFFSET,
+    SharegptPair,
+    WorkloadConfig,
+    WorkloadError,
+    WorkloadKind,
+    build_workload,
+    load_sharegpt,
+    warmup_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +82,17 @@ QUICK_DEFAULTS = {
     "workload": "fixed", "input_len": 64, "output_len": 16, "num_requests": 12, "warmup": 2,
     "num_prefixes": 2, "prefix_len": 64, "suffixes_per_prefix": 4, "turns": 2, "rates": [4.0, 16.0],
 }
+# The connection flags share a help group with the embedded cluster's, in shorter words.
+CONNECTION_WORDING = ConnectionWording(
+    target_default=None,
+    target_help="a running front end (default: embedded)",
+    tls_ca_help="use TLS; verify the front end with this CA",
+    tls_cert_help="client certificate for mutual TLS",
+    tls_key_help="client key for mutual TLS",
+)
 
 
-def add_bench(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="load the cluster and report TTFT / TPOT / ITL / throughput / goodput (vLLM's definitions)",
@@ -61,11 +101,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
         "writes results.json and PNG plots to --out, and ends stdout with the JSON envelope.",
     )
     target = parser.add_argument_group("cluster (a running one, or an embedded one started here)")
-    target.add_argument("--target", default=None, metavar="HOST:PORT", help="a running front end (default: embedded)")
-    target.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV} if set)")
-    target.add_argument("--tls-ca", default=None, metavar="FILE", help="use TLS; verify the front end with this CA")
-    target.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate for mutual TLS")
-    target.add_argument("--tls-key", default=None, metavar="FILE", help="client key for mutual TLS")
+    add_connection_options(target, CONNECTION_WORDING)
     target.add_argument("--config", metavar="FILE", help="embedded: cluster configuration (YAML)")
     target.add_argument("--address", default=None, metavar="ADDR", help="embedded: the Ray cluster to deploy on")
     target.add_argument("--model", default=None, metavar="DIR", help="embedded: a local Hugging Face checkpoint")
@@ -113,7 +149,7 @@ def add_bench(subparsers: argparse._SubParsersAction) -> None:
     output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     output.add_argument("--quick", action="store_true", help="a few seconds of load (CI smoke test)")
     output.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    parser.set_defaults(handler=run_bench)
+    parser.set_defaults(handler=run)
 
 
 # ---- turning flags into typed settings --------------------------------------------------------
@@ -153,12 +189,6 @@ def _pick(args: argparse.Namespace, name: str) -> Any:
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     """Validated settings; raises CliError (exit 2) naming the bad flag."""
-    from cluster.cli.main import EXIT_USAGE, CliError
-    from cluster.loadgen.arrivals import ArrivalError, FixedConcurrency, PoissonArrivals
-    from cluster.loadgen.metrics import Slo, SloError
-    from cluster.loadgen.runner import SamplingSpec
-    from cluster.loadgen.workloads import WorkloadConfig, WorkloadError, WorkloadKind
-
     kind = WorkloadKind(_pick(args, "workload"))
     if args.dataset is not None and kind is not WorkloadKind.SHAREGPT:
         raise CliError("--dataset: only the sharegpt workload reads a dataset (add --workload sharegpt)", EXIT_USAGE)
@@ -225,11 +255,6 @@ async def run_points(
     target: str, client_options: dict[str, Any], settings: BenchSettings, dataset: Sequence[SharegptPair] | None
 ) -> list[PointResult]:
     """Warm up, then measure every sweep point in turn; returns their PointResults."""
-    from cluster.cli.main import rpc_failure
-    from cluster.client import AsyncDuetClient, DuetError
-    from cluster.loadgen.runner import LoadRunner, measure_point
-    from cluster.loadgen.workloads import WARMUP_SEED_OFFSET, build_workload, warmup_config
-
     results = []
     async with AsyncDuetClient(target, **client_options) as client:
         try:
@@ -270,24 +295,15 @@ def _progress(settings: BenchSettings, message: str) -> None:
 
 
 def _bar(settings: BenchSettings, total: int, label: str) -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not settings.progress, leave=False)
 
 
 def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
-    from cluster.cli.main import load_cluster_config
-
-    config = load_cluster_config(args)
-    # Free ports: the bench must not collide with a `duet serve` on the default ones.
-    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0, metrics_port=0))
+    return with_free_ports(load_cluster_config(args))
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    from cluster.cli.main import EXIT_CODES, EXIT_USAGE, CliError, client_options
-    from cluster.loadgen.workloads import WorkloadError, load_sharegpt
-
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
     settings = settings_from_args(args)
     dataset = None
     if settings.workload.dataset_path:
@@ -302,6 +318,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results = asyncio.run(run_points(args.target, client_options(args), settings, dataset))
         cluster_description: dict[str, Any] = {"target": args.target}
     else:
+        # The router/deploy stack is imported only for an embedded cluster, so that every `duet` start stays fast.
         from cluster.deploy.embedded import BackgroundCluster
         from cluster.deploy.launch import DeploymentError
 
@@ -327,26 +344,14 @@ def run_bench(args: argparse.Namespace) -> int:
             "model": config.model or "built-in",
         }
     write_outputs(settings, results, cluster_description)
-    return 0
+    return EXIT_OK
 
 
 def write_outputs(settings: BenchSettings, results: Sequence[PointResult], cluster_description: dict[str, Any]) -> None:
     """Plots, results.json, the table, and the envelope as the very last stdout line."""
-    from cluster.loadgen.report import (
-        TargetValue,
-        envelope,
-        render_detail,
-        render_sweep,
-        results_document,
-        summary_figures,
-        write_json,
-    )
-
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
     if settings.plots:
-        from cluster.loadgen.plots import PlotsUnavailable, plot_all
-
         try:
             plots = [str(path) for path in plot_all(results, settings.out_dir)]
         except PlotsUnavailable as error:
@@ -371,22 +376,3 @@ def write_outputs(settings: BenchSettings, results: Sequence[PointResult], clust
     sys.stdout.write(envelope(BENCH_NAME, figures, targets) + "\n")
     sys.stdout.flush()
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m cluster.cli_bench ARGS` = `duet bench ARGS` (before the subcommand is wired into cli.py)."""
-    from cluster.cli.main import EXIT_INTERRUPTED, CliError, build_parser
-
-    parser = build_parser((add_bench,))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.handler(args)
-    except CliError as error:
-        print(f"duet bench: {error}", file=sys.stderr)
-        return error.exit_code
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,13 +1,13 @@
-"""`duet chaos`: the chaos soak as a command (cluster/chaos.py does the work).
+"""`duet chaos`: the chaos soak as a command (cluster/loadgen/chaos.py does the work).
 
     duet chaos                                   # 1,000 requests, 5 % faulty transfers, kills
     duet chaos --requests 300 --seed 7 --fault-rate 0.1 --kill-every 50 --json-out soak.json
     duet chaos --address ray://head:10001 --model /models/llama
 
 Prints a progress bar on stderr, then the report table and, as the very last stdout line, the
-DESIGN.md §8 JSON object. Exit status: 0 when lost, leaked blocks, token mismatches and illegal
+benchmark JSON object (`SoakReport.json_line`). Exit status: 0 when lost, leaked blocks, token mismatches and illegal
 transitions are all 0; 10 when one of them is not; 2 for a bad command line; 3 when the clusters
-cannot be deployed.
+cannot be deployed. `main` is the same command on its own (bench/chaos_soak.py).
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-EXIT_OK = 0
-EXIT_USAGE = 2
+from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_handler, setup_logging
+from cluster.loadgen.chaos_plan import SoakConfig, SoakConfigError, SoakError
+from cluster.router.config import ConfigError
+
 EXIT_DEPLOY = 3
 EXIT_INVARIANT_BROKEN = 10
 
 
-def add_chaos(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `chaos` subcommand (and its handler) to a `duet` subparsers object."""
     parser = subparsers.add_parser(
         "chaos",
@@ -33,14 +35,12 @@ def add_chaos(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser
         "illegal transitions (all must be 0: exit status 0), failures by status and the extra latency "
         "of recovered requests.",
     )
-    add_chaos_arguments(parser)
-    parser.set_defaults(handler=run_chaos)
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
     return parser
 
 
-def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
-    from cluster.loadgen.chaos import SoakConfig
-
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SoakConfig()
     parser.add_argument("--requests", type=int, default=defaults.requests, metavar="N", help=f"requests to send ({defaults.requests})")
     parser.add_argument("--seed", type=int, default=defaults.seed, metavar="S", help="seed of the workload, the fault plan and the kills")
@@ -75,11 +75,8 @@ def add_chaos_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
-def config_from_args(args: argparse.Namespace):
-    """The SoakConfig of parsed arguments; raises cluster.cli.CliError (exit 2) for bad values."""
-    from cluster.cli.main import CliError
-    from cluster.loadgen.chaos import SoakConfig, SoakConfigError
-
+def config_from_args(args: argparse.Namespace) -> SoakConfig:
+    """The SoakConfig of parsed arguments; raises CliError (exit 2) for bad values."""
     try:
         return SoakConfig(
             requests=args.requests,
@@ -99,14 +96,12 @@ def config_from_args(args: argparse.Namespace):
         raise CliError(f"--{error.field.replace('_', '-').removesuffix('-s')}: {error.message}", EXIT_USAGE) from None
 
 
-def run_chaos(args: argparse.Namespace) -> int:
-    import logging
+def run(args: argparse.Namespace) -> int:
+    # The soak runner deploys clusters (the router/deploy stack, Ray): imported when the soak runs,
+    # so that every `duet` start stays fast.
+    from cluster.loadgen.chaos import run_soak
 
-    from cluster.cli.main import CliError
-    from cluster.loadgen.chaos import SoakError, run_soak
-    from cluster.router.config import ConfigError
-
-    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging(args.log_level)
     config = config_from_args(args)
     try:
         report = run_soak(config, show_progress=not args.no_progress)
@@ -129,15 +124,6 @@ def run_chaos(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "duet chaos") -> int:
     """`duet chaos` on its own (bench/chaos_soak.py uses it): the same arguments and exit statuses."""
-    from cluster.cli.main import CliError
-
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    add_chaos_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_chaos(args)
-    except CliError as error:
-        print(f"{prog}: {error}", file=sys.stderr)
-        return error.exit_code
-    except KeyboardInterrupt:
-        return 130
+    add_arguments(parser)
+    return run_handler(run, parser.parse_args(argv), prog)

@@ -10,15 +10,23 @@ Over a run: p50/p90/p99 (linear interpolation, numpy's default), request and tok
 the run's duration, goodput = requests per second that meet every SLO given (a request with one
 output token has TPOT 0 for this purpose, as in vLLM), and the prefix-cache hit rate =
 cached prompt tokens / prompt tokens.
+
+The chaos soak (cluster/loadgen/chaos.py) records its requests in the same RequestRecord, with the
+fields it checks besides timings (admitted, lost, output tokens, the router's timeline), and takes
+its percentiles from here too (nearest rank: `PercentileMethod.NEAREST_RANK`).
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - only annotations; the records are built by the runners
+    from cluster.client import InstanceWork, StateChange
 
 
 class SloError(ValueError):
@@ -32,7 +40,8 @@ class SloError(ValueError):
 
 @dataclass(frozen=True)
 class RequestRecord:
-    """One request as the runner saw it. Times are seconds since the run started."""
+    """One request as the load runner or the chaos soak saw it. Times are seconds since the run
+    started. The soak does not time tokens (no chunk times: no TTFT, TPOT or ITL)."""
 
     index: int
     sent_s: float
@@ -47,12 +56,41 @@ class RequestRecord:
     conversation: int | None = None
     turn: int = 0
     finish_reason: str | None = None
-    instances: tuple[str, ...] = ()  # "phase@instance" in order
-    error: str | None = None  # None: completed
+    instances: tuple[InstanceWork, ...] = ()  # the instances that worked on it, in order
+    error: str | None = None  # None: completed; else "<gRPC status code name or SKIPPED>: <message>"
+    # What the chaos soak checks besides timings (the load runner leaves these defaults; results.json
+    # does not carry them).
+    accepted: bool | None = None  # the router admitted it; None: not asked
+    lost: bool = False  # admitted, but no final event came within the soak's bound
+    token_ids: tuple[int, ...] = ()  # the output tokens, compared with a replay
+    timeline: tuple[StateChange, ...] = ()  # the router's state timeline (recoveries are read from it)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def status(self) -> str:
+        """"OK", or the kind of error: a gRPC status code name (or SKIPPED)."""
+        if self.error is None:
+            return "OK"
+        return self.error.split(":", 1)[0].strip() or "error"
+
+    @property
+    def message(self) -> str:
+        """The error's message ("" for a completed request)."""
+        return "" if self.error is None else self.error.partition(": ")[2]
+
+    @property
+    def instance_names(self) -> tuple[str, ...]:
+        """"phase@instance" per instance, in order."""
+        return tuple(f"{work.phase}@{work.instance_id}" for work in self.instances)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as results.json writes it: the timings and counts, instances by name."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SOAK_FIELDS}
+        data["instances"] = self.instance_names
+        return data
 
     @property
     def ttft_s(self) -> float | None:
@@ -74,6 +112,9 @@ class RequestRecord:
     def itls_s(self) -> tuple[float, ...]:
         times = self.chunk_times_s
         return tuple(later - earlier for earlier, later in zip(times, times[1:], strict=False))
+
+
+_SOAK_FIELDS = frozenset({"accepted", "lost", "token_ids", "timeline"})
 
 
 @dataclass(frozen=True)
@@ -106,13 +147,20 @@ class Slo:
         return self.e2e_ms is None or record.e2e_s * 1000.0 <= self.e2e_ms
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between closest ranks (numpy's default)."""
+class PercentileMethod(enum.Enum):
+    LINEAR = "linear"  # interpolate between the closest ranks (numpy's default; vLLM's figures)
+    NEAREST_RANK = "nearest_rank"  # the smallest value with at least q % of the values at or below it
+
+
+def percentile(values: Sequence[float], q: float, method: PercentileMethod = PercentileMethod.LINEAR) -> float:
+    """The q-th percentile (0..100) of `values`, by `method`."""
     if not values:
         raise ValueError("percentile of no values")
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"q must be in [0, 100], got {q}")
     ordered = sorted(values)
+    if method is PercentileMethod.NEAREST_RANK:
+        return ordered[max(1, math.ceil(q / 100.0 * len(ordered))) - 1]
     position = (len(ordered) - 1) * q / 100.0
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
@@ -178,10 +226,6 @@ class BenchMetrics:
         return data
 
 
-def _error_kind(error: str) -> str:
-    return error.split(":", 1)[0].strip() or "error"
-
-
 def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: Slo = Slo()) -> BenchMetrics:
     if not duration_s > 0:
         raise ValueError(f"duration_s must be positive, got {duration_s!r}")
@@ -214,5 +258,5 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, slo: Sl
         good_requests=good,
         goodput_rps=good / duration_s if good is not None else None,
         short_outputs=sum(1 for r in done if r.expected_output_tokens and r.output_tokens != r.expected_output_tokens),
-        errors=tuple(sorted(Counter(_error_kind(r.error) for r in failed if r.error is not None).items())),
+        errors=tuple(sorted(Counter(r.status for r in failed).items())),
     )

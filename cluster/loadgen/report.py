@@ -1,5 +1,6 @@
 """Results as a human table (one row per sweep point), a vLLM-style detail block, the results.json
-document, and the DESIGN.md §8 envelope line that ends a benchmark's stdout."""
+document, and the envelope line that ends a benchmark's stdout (the JSON object of
+bench/_common.py's emit_result: {"bench", "figures", "targets"})."""
 
 from __future__ import annotations
 
@@ -132,7 +133,7 @@ def point_document(result: PointResult, *, include_requests: bool = True) -> dic
         "max_send_lag_s": result.outcome.max_send_lag_s,
     }
     if include_requests:
-        data["requests"] = [asdict(record) for record in result.outcome.records]
+        data["requests"] = [record.to_dict() for record in result.outcome.records]
     return data
 
 
@@ -184,7 +185,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 
 def envelope(bench: str, figures: Mapping[str, Any], targets: Mapping[str, TargetValue]) -> str:
-    """The very last stdout line of a benchmark (DESIGN.md §8)."""
+    """The very last stdout line of a benchmark."""
     return json.dumps(
         {
             "bench": bench,

@@ -260,7 +260,7 @@ class _Run:
             output_tokens=result.usage.completion_tokens,
             cached_tokens=result.usage.cached_tokens,
             finish_reason=result.finish_reason,
-            instances=tuple(f"{work.phase}@{work.instance_id}" for work in result.instances),
+            instances=result.instances,
             **base,
         )
         full_prompt = prompt if not isinstance(prompt, str) else None

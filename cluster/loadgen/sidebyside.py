@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from cluster.client import AsyncDuetClient
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.embedded import BackgroundCluster
+from cluster.deploy.launch import connect_ray
 from cluster.loadgen.arrivals import Arrivals
 from cluster.loadgen.metrics import Slo, compute_metrics
 from cluster.loadgen.runner import LoadRunner, PointResult, RunOutcome, SamplingSpec, merge_outcomes
@@ -72,9 +73,7 @@ def _quiet(_message: str) -> None:
 def ray_session(config: ClusterConfig) -> Iterator[None]:
     """Ray for the whole comparison (started from this, the main, thread; shut down after), so
     that starting and stopping each cluster does not start and stop Ray."""
-    import ray
-
-    from cluster.deploy.launch import connect_ray
+    import ray  # when a comparison runs, as cluster/deploy/launch.py does: importing this module stays cheap
 
     started = connect_ray(config)
     try:
@@ -131,7 +130,7 @@ async def _run(target: str, requests: Sequence[BenchRequest], arrivals: Arrivals
 
 def settle(cluster: BackgroundCluster, name: str, timeout_s: float = 30.0) -> None:
     """Wait until nothing is in flight and every block is free again: the next run starts from an
-    idle cluster. Blocks that stay taken are a leak (DESIGN.md §6.2), reported loudly."""
+    idle cluster. Blocks that stay taken are a leak, reported loudly."""
     seen = cluster.settle(timeout_s)
     leaked = {instance: total - free for instance, (free, total) in seen.items() if free != total}
     if leaked:

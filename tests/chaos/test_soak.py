@@ -14,27 +14,29 @@ import json
 
 import pytest
 
-from cluster.cli.chaos import EXIT_INVARIANT_BROKEN, add_chaos, main
+from cluster.cli.chaos import EXIT_INVARIANT_BROKEN, add_parser, main
 from cluster.client import InstanceWork, StateChange
-from cluster.loadgen.chaos import (
+from cluster.loadgen.chaos_plan import (
     FAULT_KINDS,
-    MUST_BE_ZERO,
-    KillRecord,
-    RequestRecord,
     SoakConfig,
     SoakConfigError,
     SoakRequest,
-    build_report,
-    extra_latencies,
     fault_plan,
     faulty_cluster_config,
     kill_schedule,
     make_requests,
     planned_faults,
-    recovery_cause,
     replay_cluster_config,
+)
+from cluster.loadgen.chaos_report import (
+    MUST_BE_ZERO,
+    KillRecord,
+    build_report,
+    extra_latencies,
+    recovery_cause,
     timeline_recoveries,
 )
+from cluster.loadgen.metrics import RequestRecord
 from cluster.router.config import DisaggMode
 from worker.engine_types import InstanceRole
 from worker.kv_transfer.faults import FaultPlan
@@ -161,7 +163,7 @@ def test_the_command_line_refuses_bad_values_with_exit_status_2(capsys) -> None:
     assert main(["--fault-rate", "2"]) == 2
     assert "--fault-rate" in capsys.readouterr().err
     parser = argparse.ArgumentParser(prog="duet")
-    add_chaos(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["chaos", "--requests", "7", "--kill-every", "0", "--address", "ray://head:10001"])
     assert (args.requests, args.kill_every, args.address, args.fault_rate) == (7, 0, "ray://head:10001", 0.05)
     assert callable(args.handler)
@@ -169,6 +171,18 @@ def test_the_command_line_refuses_bad_values_with_exit_status_2(capsys) -> None:
 
 def _request(index: int, max_tokens: int = 8) -> SoakRequest:
     return SoakRequest(index, (1, 2, 3), max_tokens, 0.0, 1.0, 5)
+
+
+def _record(
+    request: SoakRequest, status: str, accepted: bool, lost: bool, token_ids: tuple[int, ...] = (), latency_s: float = 0.0,
+    instances: tuple[InstanceWork, ...] = (), timeline: tuple[StateChange, ...] = (), message: str = "",
+) -> RequestRecord:
+    """How the soak records a request that ended with `status` after `latency_s` (cluster/loadgen/chaos.py, run_request)."""
+    return RequestRecord(
+        index=request.index, sent_s=0.0, end_s=latency_s, expected_output_tokens=request.max_tokens, instances=instances,
+        error=None if status == "OK" else f"{status}: {message}", accepted=accepted, lost=lost, token_ids=token_ids,
+        timeline=timeline,
+    )
 
 
 def _hops(*phases: tuple[str, int]) -> tuple[InstanceWork, ...]:
@@ -190,21 +204,21 @@ def _mixed_report():
     )
     exhausted = _timeline(("ERROR", "KV transfer failed: INCOMPLETE: 3 cells; recovery exhausted"))
     records = [
-        RequestRecord(_request(0), "OK", True, False, (1, 2), 1.0, PD),
-        RequestRecord(_request(1), "OK", True, False, (1, 2), 3.0, PD),
-        RequestRecord(_request(2), "OK", True, False, (4, 5), 4.5, _hops(("prefill", 1), ("generation", 1), ("generation", 2)), retried),
-        RequestRecord(_request(3), "UNAVAILABLE", True, False, (), 2.0, PD, exhausted, "recovery exhausted"),
-        RequestRecord(_request(4), "DEADLINE_EXCEEDED", True, True, (), 300.0),
-        RequestRecord(_request(5), "RESOURCE_EXHAUSTED", False, False),
-        RequestRecord(_request(6), "OK", True, False, (9, 9, 9), 2.0, _hops(("prefill", 1), ("recompute", 1))),
-        RequestRecord(_request(7), "OK", True, False, (7,), 1.5, PD),
+        _record(_request(0), "OK", True, False, (1, 2), 1.0, PD),
+        _record(_request(1), "OK", True, False, (1, 2), 3.0, PD),
+        _record(_request(2), "OK", True, False, (4, 5), 4.5, _hops(("prefill", 1), ("generation", 1), ("generation", 2)), retried),
+        _record(_request(3), "UNAVAILABLE", True, False, (), 2.0, PD, exhausted, "recovery exhausted"),
+        _record(_request(4), "DEADLINE_EXCEEDED", True, True, (), 300.0),
+        _record(_request(5), "RESOURCE_EXHAUSTED", False, False),
+        _record(_request(6), "OK", True, False, (9, 9, 9), 2.0, _hops(("prefill", 1), ("recompute", 1))),
+        _record(_request(7), "OK", True, False, (7,), 1.5, PD),
     ]
     replayed = {
-        "soak-0": RequestRecord(_request(0), "OK", True, False, (1, 2)),
-        "soak-1": RequestRecord(_request(1), "OK", True, False, (1, 2)),
-        "soak-2": RequestRecord(_request(2), "OK", True, False, (4, 5)),
-        "soak-6": RequestRecord(_request(6), "OK", True, False, (9, 8, 9)),  # differs at token 1
-        "soak-7": RequestRecord(_request(7), "UNAVAILABLE", True, False, message="replay broke"),
+        "soak-0": _record(_request(0), "OK", True, False, (1, 2)),
+        "soak-1": _record(_request(1), "OK", True, False, (1, 2)),
+        "soak-2": _record(_request(2), "OK", True, False, (4, 5)),
+        "soak-6": _record(_request(6), "OK", True, False, (9, 8, 9)),  # differs at token 1
+        "soak-7": _record(_request(7), "UNAVAILABLE", True, False, message="replay broke"),
     }
     kills = (KillRecord("prefill-0", 3, 1.0, "old", 4.0), KillRecord("generation-1", 6, 9.0, "old", None))
     report = build_report(
@@ -240,11 +254,11 @@ def test_the_report_counts_each_outcome_once() -> None:
 
 def test_extra_latency_is_against_the_same_max_tokens_bucket() -> None:
     records = [
-        RequestRecord(_request(0, max_tokens=4), "OK", True, False, (1,), 1.0, PD),
-        RequestRecord(_request(1, max_tokens=32), "OK", True, False, (1,), 10.0, PD),
-        RequestRecord(_request(2, max_tokens=32), "OK", True, False, (1,), 12.0, _hops(("prefill", 1), ("generation", 2))),
-        RequestRecord(_request(3, max_tokens=4), "OK", True, False, (1,), 1.5, _hops(("prefill", 2), ("generation", 1))),
-        RequestRecord(_request(4, max_tokens=8), "OK", True, False, (1,), 9.0, _hops(("recompute", 1))),  # no baseline
+        _record(_request(0, max_tokens=4), "OK", True, False, (1,), 1.0, PD),
+        _record(_request(1, max_tokens=32), "OK", True, False, (1,), 10.0, PD),
+        _record(_request(2, max_tokens=32), "OK", True, False, (1,), 12.0, _hops(("prefill", 1), ("generation", 2))),
+        _record(_request(3, max_tokens=4), "OK", True, False, (1,), 1.5, _hops(("prefill", 2), ("generation", 1))),
+        _record(_request(4, max_tokens=8), "OK", True, False, (1,), 9.0, _hops(("recompute", 1))),  # no baseline
     ]
     assert sorted(extra_latencies(records)) == pytest.approx([0.5, 2.0])
 

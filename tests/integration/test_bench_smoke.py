@@ -9,7 +9,6 @@ as under `ray job submit`), so that the ten-odd seconds of starting Ray are paid
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -65,18 +64,13 @@ def _run(args: list[str], ray_address: str) -> dict:
     return envelope
 
 
-def _bench_command() -> list[str]:
-    """`duet bench` once cli.py has the subcommand; until then the same handler through its module."""
-    from cluster.cli.main import build_parser
-
-    parser = build_parser()
-    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return ["-m", "cluster.cli", "bench"] if "bench" in subcommands.choices else ["-m", "cluster.cli.bench"]
+# `duet bench`, through `python -m cluster.cli` so that it runs this checkout's code.
+BENCH_COMMAND = ["-m", "cluster.cli", "bench"]
 
 
 def test_duet_bench_quick(ray_address, tmp_path) -> None:
     out = tmp_path / "results"
-    envelope = _run([*_bench_command(), "--quick", "--no-progress", "--slo-ttft-ms", "60000", "--out", str(out)], ray_address)
+    envelope = _run([*BENCH_COMMAND, "--quick", "--no-progress", "--slo-ttft-ms", "60000", "--out", str(out)], ray_address)
     assert envelope["bench"] == "duet_bench"
     assert envelope["targets"]["completed_fraction"] == {"value": 1.0, "target": 1.0, "met": True}
     points = envelope["figures"]["points"]
@@ -121,7 +115,7 @@ def test_placement_policies_quick(ray_address) -> None:
 
 def test_bench_rejects_bad_flags_without_starting_anything() -> None:
     result = subprocess.run(
-        [sys.executable, *_bench_command(), "--workload", "shared-prefix", "--num-requests", "5"],
+        [sys.executable, *BENCH_COMMAND, "--workload", "shared-prefix", "--num-requests", "5"],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2
@@ -130,7 +124,7 @@ def test_bench_rejects_bad_flags_without_starting_anything() -> None:
 
 def test_unreachable_target_is_one_line_and_exit_5(tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, *_bench_command(), "--target", "127.0.0.1:1", "--quick", "--out", str(tmp_path)],
+        [sys.executable, *BENCH_COMMAND, "--target", "127.0.0.1:1", "--quick", "--out", str(tmp_path)],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 5, result.stderr

@@ -10,7 +10,9 @@ import json
 import pytest
 from test_frontend_support import FakeRouter, Script, ServerThread, free_port
 
-from cluster.cli.main import EXIT_CODES, build_parser, main, render_status
+from cluster.cli.common import EXIT_CODES
+from cluster.cli.main import build_parser, main
+from cluster.cli.status import render_status
 from cluster.router.api import ErrorKind, RouterError
 
 pytestmark = pytest.mark.timeout(60)
@@ -167,7 +169,7 @@ def test_status_watch_stops_cleanly_on_ctrl_c(server, capsys, monkeypatch) -> No
     def interrupt(_seconds: float) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("cluster.cli.main.time.sleep", interrupt)
+    monkeypatch.setattr("cluster.cli.status.time.sleep", interrupt)
     code, out, _ = _run(capsys, "status", "--watch", "1", "--target", server.target)
     assert code == 130 and out.count("queue depth") == 1
 

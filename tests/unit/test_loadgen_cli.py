@@ -6,14 +6,15 @@ import math
 
 import pytest
 
-from cluster.cli.bench import add_bench, run_bench, settings_from_args
-from cluster.cli.main import CliError, build_parser
+from cluster.cli.bench import add_parser, run, settings_from_args
+from cluster.cli.common import CliError
+from cluster.cli.main import build_parser
 from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, warmup_config
 
 
 def parse(*flags: str):
-    return build_parser((add_bench,)).parse_args(["bench", *flags])
+    return build_parser((add_parser,)).parse_args(["bench", *flags])
 
 
 def test_quick_defaults_are_small_and_sweep_two_rates() -> None:
@@ -76,11 +77,11 @@ def test_rate_and_concurrency_are_exclusive() -> None:
 )
 def test_flag_errors_name_the_flag(flags, named, tmp_path) -> None:
     with pytest.raises(CliError) as info:
-        run_bench(parse(*flags, "--out", str(tmp_path)))
+        run(parse(*flags, "--out", str(tmp_path)))
     assert info.value.exit_code == 2 and str(info.value).startswith(named + ":")
 
 
 def test_unreadable_dataset_is_a_usage_error(tmp_path) -> None:
     with pytest.raises(CliError) as info:
-        run_bench(parse("--workload", "sharegpt", "--dataset", str(tmp_path / "none.json"), "--out", str(tmp_path)))
+        run(parse("--workload", "sharegpt", "--dataset", str(tmp_path / "none.json"), "--out", str(tmp_path)))
     assert info.value.exit_code == 2 and "--dataset" in str(info.value)

@@ -7,7 +7,16 @@ import random
 import numpy as np
 import pytest
 
-from cluster.loadgen.metrics import Distribution, RequestRecord, Slo, SloError, compute_metrics, percentile
+from cluster.client import InstanceWork
+from cluster.loadgen.metrics import (
+    Distribution,
+    PercentileMethod,
+    RequestRecord,
+    Slo,
+    SloError,
+    compute_metrics,
+    percentile,
+)
 
 
 def record(index, sent, chunks, *, tokens=None, end=None, prompt=10, cached=0, error=None, expected=0):
@@ -56,6 +65,33 @@ def test_percentile_matches_numpy_linear() -> None:
             assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+def test_nearest_rank_percentile_matches_numpy_inverted_cdf() -> None:
+    rng = random.Random(4)
+    for size in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(size)]
+        for q in (0, 50, 90, 99, 100):
+            expected = float(np.percentile(values, q, method="inverted_cdf"))
+            assert percentile(values, q, PercentileMethod.NEAREST_RANK) == expected
+    assert percentile([3.0, 0.5], 50, PercentileMethod.NEAREST_RANK) == 0.5  # a value, never between two
+    with pytest.raises(ValueError):
+        percentile([], 50, PercentileMethod.NEAREST_RANK)
+
+
+def test_status_message_and_results_form_of_a_record() -> None:
+    done = RequestRecord(0, 0.0, 1.0, instances=(InstanceWork("p0", "PREFILL", "prefill"), InstanceWork("g1", "GENERATION", "generation", 2)))
+    failed = RequestRecord(1, 0.0, 1.0, error="UNAVAILABLE: recovery exhausted: KV transfer failed")
+    assert (done.status, done.message) == ("OK", "")
+    assert (failed.status, failed.message) == ("UNAVAILABLE", "recovery exhausted: KV transfer failed")
+    assert done.instance_names == ("prefill@p0", "generation@g1")
+    # results.json: every field but the soak's checks, instances by name.
+    written = done.to_dict()
+    assert written["instances"] == ("prefill@p0", "generation@g1")
+    assert not {"accepted", "lost", "token_ids", "timeline"} & set(written)
+    assert set(written) == {"index", "sent_s", "end_s", "chunk_times_s", "chunk_tokens", "prompt_tokens", "output_tokens",
+                            "cached_tokens", "expected_output_tokens", "scheduled_s", "conversation", "turn",
+                            "finish_reason", "instances", "error"}
 
 
 def test_distribution_in_milliseconds() -> None:

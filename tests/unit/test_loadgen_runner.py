@@ -111,7 +111,7 @@ def test_open_loop_sends_on_schedule_and_times_every_token() -> None:
         assert r.ttft_s == pytest.approx(TTFT_S)
         assert r.itls_s == pytest.approx((ITL_S,) * 3)
         assert r.tpot_s == pytest.approx(ITL_S)
-        assert r.instances == ("prefill@p0",)
+        assert r.instance_names == ("prefill@p0",)
     # Open loop: requests overlap when the schedule says so; the run lasts until the last one ends.
     assert result.outcome.duration_s == pytest.approx(offsets[-1] + TTFT_S + 3 * ITL_S)
     assert result.outcome.max_send_lag_s == pytest.approx(0.0)

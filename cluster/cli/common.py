@@ -1,0 +1,209 @@
+"""What the `duet` subcommands share: exit statuses, CliError, the front end connection flags
+(target, token, TLS) and the client built from them, the embedded-cluster flags and the
+ClusterConfig built from them, logging, and running a handler with the CLI's error handling.
+
+Exit status: 0 success, 1 an internal or unknown error, 2 a bad command line, and for calls that
+end with a gRPC status, one code per class (`EXIT_CODES`): 3 invalid request, 4 authentication,
+5 front end unreachable or nothing can serve, 6 deadline exceeded, 7 overloaded, 8 not found,
+9 cancelled or aborted; 130 interrupted (Ctrl-C). `duet chaos` adds its own (cluster/cli/chaos.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.client import ClientConfigError, ClientTls, DuetClient, DuetError
+from cluster.deploy.config import ClusterConfig
+from cluster.router.config import ConfigError
+from worker.engine_types import InstanceRole
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+TOKEN_ENV = "DUET_TOKEN"
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+# gRPC status name -> exit status.
+EXIT_CODES: dict[str, int] = {
+    "INVALID_ARGUMENT": 3,
+    "OUT_OF_RANGE": 3,
+    "FAILED_PRECONDITION": 3,
+    "UNAUTHENTICATED": 4,
+    "PERMISSION_DENIED": 4,
+    "UNAVAILABLE": 5,
+    "DEADLINE_EXCEEDED": 6,
+    "RESOURCE_EXHAUSTED": 7,
+    "NOT_FOUND": 8,
+    "CANCELLED": 9,
+    "ABORTED": 9,
+}
+
+Handler = Callable[[argparse.Namespace], int]
+AddParser = Callable[[argparse._SubParsersAction], None]
+
+
+class CliError(Exception):
+    """An expected failure with a one-line message and an exit status (never a traceback)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def run_handler(handler: Handler, args: argparse.Namespace, prog: str) -> int:
+    """Run a subcommand's handler: a CliError is one line on stderr ("PROG: message") and its exit
+    status, Ctrl-C is 130, a reader that left the pipe (`duet generate ... | head`) is not an error."""
+    try:
+        return handler(args)
+    except CliError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+# ---- the front end connection -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectionWording:
+    """How a subcommand's --help words the connection flags (the flags themselves are the same)."""
+
+    target_default: str | None = DEFAULT_TARGET
+    target_help: str = f"the gRPC front end (default {DEFAULT_TARGET})"
+    tls_ca_help: str = "use TLS; verify the front end with this CA (PEM)"
+    tls_cert_help: str = "client certificate chain for mutual TLS (PEM)"
+    tls_key_help: str = "client private key for mutual TLS (PEM)"
+
+
+def add_connection_options(group: argparse._ActionsContainer, wording: ConnectionWording = ConnectionWording()) -> None:
+    """--target, --token, --tls-*: how to reach the gRPC front end."""
+    group.add_argument("--target", default=wording.target_default, metavar="HOST:PORT", help=wording.target_help)
+    group.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV} if set)")
+    group.add_argument("--tls-ca", default=None, metavar="FILE", help=wording.tls_ca_help)
+    group.add_argument("--tls-cert", default=None, metavar="FILE", help=wording.tls_cert_help)
+    group.add_argument("--tls-key", default=None, metavar="FILE", help=wording.tls_key_help)
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """The connection flags in their own help group (generate, status)."""
+    add_connection_options(parser.add_argument_group("front end connection"))
+
+
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The token and TLS keyword arguments of a (sync or async) client, from the connection flags."""
+    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    tls = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        try:
+            tls = ClientTls(
+                root_certificates_pem=_read_file(args.tls_ca, "--tls-ca"),
+                certificate_chain_pem=_read_file(args.tls_cert, "--tls-cert"),
+                private_key_pem=_read_file(args.tls_key, "--tls-key"),
+            )
+        except ClientConfigError as error:
+            raise CliError(f"TLS settings: {error}", EXIT_USAGE) from None
+    return {"token": token, "tls": tls}
+
+
+def connect(args: argparse.Namespace, *, timeout_s: float | None = None) -> DuetClient:
+    try:
+        return DuetClient(args.target, timeout_s=timeout_s, **client_options(args))
+    except ClientConfigError as error:
+        raise CliError(str(error), EXIT_USAGE) from None
+
+
+def _read_file(path: str | None, option: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as error:
+        raise CliError(f"{option}: cannot read {path}: {error.strerror}", EXIT_USAGE) from None
+
+
+def rpc_failure(error: DuetError, target: str) -> CliError:
+    """One line that says what went wrong, and the exit status of its class."""
+    exit_code = EXIT_CODES.get(error.code.name, EXIT_INTERNAL)
+    if error.unreachable:
+        reason = "connection refused" if "connection refused" in error.message.lower() else _first_line(error.message)
+        return CliError(f"cannot reach the duet front end at {target} ({reason}); is `duet serve` running?", exit_code)
+    return CliError(f"{error.code.name}: {_first_line(error.message)}", exit_code)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else "(no details)"
+
+
+# ---- the cluster to deploy (serve, demo, an embedded bench) -------------------------------------
+
+
+def add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    """What to deploy: a config file plus flag overrides (flags win)."""
+    parser.add_argument("--config", metavar="FILE", help="cluster configuration (YAML); see cluster/deploy_config.py")
+    parser.add_argument(
+        "--address", metavar="ADDR", default=None,
+        help="the Ray cluster to join (default: $RAY_ADDRESS, else an embedded local cluster)",
+    )
+    parser.add_argument("--model", metavar="DIR", default=None, help="a local Hugging Face checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    parser.add_argument("--device", default=None, metavar="DEV", help="auto, cpu or cuda")
+    for role in ("prefill", "generation", "mixed"):
+        parser.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"number of {role.upper()} instances")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    """The --config file (or the defaults) with the flags that are set laid over it."""
+    try:
+        config = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig()
+        counts = {
+            role: getattr(args, role.value.lower())
+            for role in InstanceRole
+            if getattr(args, role.value.lower(), None) is not None
+        }
+        if counts:
+            config = config.with_instances(counts)
+        overrides: dict[str, Any] = {}
+        for name in ("model", "dtype", "device"):
+            value = getattr(args, name, None)
+            if value is not None:
+                overrides[name] = value
+        if getattr(args, "address", None):
+            overrides["ray"] = dataclasses.replace(config.ray, address=args.address)
+        frontend = {}
+        if getattr(args, "host", None) is not None:
+            frontend["host"] = args.host
+        if getattr(args, "port", None) is not None:
+            frontend["port"] = args.port
+        if getattr(args, "auth_token", None):
+            frontend["tokens"] = tuple(args.auth_token)
+        if frontend:
+            overrides["frontend"] = dataclasses.replace(config.frontend, **frontend)
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
+    except (OSError, ConfigError) as error:
+        raise CliError(f"bad configuration: {error}", EXIT_USAGE) from None
+    return config
+
+
+def with_free_ports(config: ClusterConfig) -> ClusterConfig:
+    """The front end and its metrics on free ports: a cluster started by a command must not
+    collide with a `duet serve` on the default ones."""
+    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0, metrics_port=0))

@@ -1,0 +1,106 @@
+"""`duet generate`: one completion from the cluster, streamed to stdout.
+
+    duet generate "Once upon a time" --max-tokens 32 --temperature 0
+    echo "prompt from stdin" | duet generate - --json
+
+The text goes to stdout as it arrives and a one-line summary (finish reason, token counts, TTFT,
+total time) to stderr; --json prints every response message as one JSON object per line instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from google.protobuf.json_format import MessageToDict
+
+from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_target_options, connect, rpc_failure
+from cluster.client import ClientConfigError, Delta, DuetClient, DuetError, build_generate_request
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate a completion from the cluster, streamed to stdout",
+        description="Stream a completion to stdout; a one-line summary goes to stderr.",
+    )
+    parser.add_argument("prompt", metavar="PROMPT", help='the prompt text ("-" reads it from stdin)')
+    parser.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens to generate at most (16)")
+    parser.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy (server default 1.0)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="the same seed gives the same tokens")
+    parser.add_argument("--stop", action="append", default=[], metavar="STR", help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="end the request after S seconds")
+    parser.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
+    add_target_options(parser)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        request = build_generate_request(
+            prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+            timeout_s=args.timeout,
+        )
+    except ClientConfigError as error:
+        raise CliError(str(error), EXIT_USAGE) from None
+    with connect(args) as client:
+        try:
+            if args.json:
+                _generate_json(client, request, sys.stdout)
+            else:
+                _generate_text(client, request, sys.stdout, sys.stderr)
+        except DuetError as error:
+            raise rpc_failure(error, args.target) from None
+    return EXIT_OK
+
+
+def _generate_json(client: DuetClient, request: Any, out: TextIO) -> None:
+    for response in client.generate_raw(request):
+        out.write(json.dumps(MessageToDict(response), separators=(",", ":")) + "\n")
+        out.flush()
+
+
+def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -> None:
+    started_s = time.monotonic()
+    first_token_s: float | None = None
+    wrote_text = False
+    result = None
+    try:
+        for event in client.generate_request(request):
+            if not isinstance(event, Delta):
+                result = event  # always the last event
+                continue
+            if event.token_ids and first_token_s is None:
+                first_token_s = time.monotonic() - started_s
+            if event.text:
+                out.write(event.text)
+                out.flush()
+                wrote_text = True
+    finally:
+        if wrote_text:
+            out.write("\n")
+            out.flush()
+    total_s = time.monotonic() - started_s
+    assert result is not None, "generate_request ends with a Result or raises"
+    ttft = f"{first_token_s:.3f}s" if first_token_s is not None else "-"
+    stop = f" ({result.stop_reason!r})" if result.stop_reason is not None else ""
+    err.write(
+        f"[{result.request_id}] finish={result.finish_reason or '-'}{stop} "
+        f"tokens={result.usage.completion_tokens} prompt={result.usage.prompt_tokens} "
+        f"cached={result.usage.cached_tokens} ttft={ttft} total={total_s:.3f}s\n"
+    )
+    err.flush()
