@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from cluster.router.config import ConfigError, DisaggMode, RouterConfig
 from worker.engine_types import EngineConfig, EngineInputError, InstanceRole
 
@@ -233,5 +235,6 @@ class ClusterConfig:
         router = self.router
         roles = {g.role for g in new if g.count}
         if InstanceRole.PREFILL not in roles and router.placement.disaggregation is not DisaggMode.NEVER:
-            router = dataclasses.replace(router, placement=dataclasses.replace(router.placement, disaggregation=DisaggMode.NEVER))
+            placement = msgspec.structs.replace(router.placement, disaggregation=DisaggMode.NEVER)
+            router = msgspec.structs.replace(router, placement=placement)
         return dataclasses.replace(self, instances=tuple(new), router=router)
