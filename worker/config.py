@@ -286,6 +286,8 @@ def _problem(error: msgspec.ValidationError, cls: type, data: object, path: str,
         declared = _type_at(cls, data, segments)
         if isinstance(declared, mi.EnumType):
             detail += f"; expected one of {[member.value for member in declared.cls]}"
+        elif isinstance(declared, mi.LiteralType):
+            detail += f"; expected one of {list(declared.values)}"
     return ConfigProblem(ProblemKind.INVALID, full or "<root>", detail)
 
 
