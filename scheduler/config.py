@@ -1,67 +1,80 @@
-"""Scheduler configuration: frozen values validated without I/O."""
+"""Scheduler configuration: frozen values validated without I/O.
+
+Also the two small validation helpers the rest of the repository shares (worker/ and cluster/
+import them; this package stays standard library only): `NamedEnum`, an enum configured by member
+name, and `positive_int`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, TypeVar
 
 from scheduler.errors import InvalidFieldError
 from scheduler.state import LlmRequestState
 
+_E = TypeVar("_E", bound="NamedEnum")
 
-class CapacitySchedulerPolicy(Enum):
+
+class NamedEnum(Enum):
+    """An enum that configuration names by member name, case-insensitively ("max_utilization").
+
+    A subclass says which field it configures and how to call it in errors:
+    `class CapacitySchedulerPolicy(NamedEnum, field="capacity_policy", label="capacity scheduler policy")`.
+    `Enum(value)` (and msgspec, which goes through `_missing_`) accepts a name in any case too.
+    """
+
+    _config_field: str
+    _config_label: str
+
+    def __init_subclass__(cls, *, field: str = "", label: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._config_field = field or cls.__name__
+        cls._config_label = label or cls.__name__
+
+    @classmethod
+    def _missing_(cls, value: object) -> Any:
+        return cls.__members__.get(value.upper()) if isinstance(value, str) else None
+
+    @classmethod
+    def parse(cls: type[_E], value: object, field: str | None = None) -> _E:
+        """The member `value` names (a member passes through); InvalidFieldError naming `field` otherwise."""
+        if isinstance(value, cls):
+            return value
+        member = cls.__members__.get(str(value).upper())
+        if member is None:
+            raise InvalidFieldError(
+                field or cls._config_field,
+                f"unknown {cls._config_label} {value!r}; expected one of {list(cls.__members__)}",
+            )
+        return member
+
+
+def positive_int(field: str, value: object, error: Callable[[str, str], Exception] = InvalidFieldError) -> None:
+    """Raise `error(field, message)` unless `value` is an int >= 1 (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(field, f"must be a positive integer, got {value!r}")
+
+
+class CapacitySchedulerPolicy(NamedEnum, field="capacity_policy", label="capacity scheduler policy"):
     MAX_UTILIZATION = "MAX_UTILIZATION"
     GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
     STATIC_BATCH = "STATIC_BATCH"
 
-    @classmethod
-    def parse(cls, value: str | CapacitySchedulerPolicy, field: str = "capacity_policy") -> CapacitySchedulerPolicy:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise InvalidFieldError(
-                field, f"unknown capacity scheduler policy {value!r}; expected one of {[p.name for p in cls]}"
-            ) from None
 
-
-class ContextChunkingPolicy(Enum):
+class ContextChunkingPolicy(NamedEnum, field="chunking.policy", label="context chunking policy"):
     EQUAL_PROGRESS = "EQUAL_PROGRESS"
     FIRST_COME_FIRST_SERVED = "FIRST_COME_FIRST_SERVED"
     FORCE_CHUNK = "FORCE_CHUNK"
 
-    @classmethod
-    def parse(cls, value: str | ContextChunkingPolicy, field: str = "chunking.policy") -> ContextChunkingPolicy:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise InvalidFieldError(
-                field, f"unknown context chunking policy {value!r}; expected one of {[p.name for p in cls]}"
-            ) from None
 
-
-class ReorderPolicy(Enum):
+class ReorderPolicy(NamedEnum, field="reorder", label="reorder policy"):
     """The hook run on the active list before admission."""
 
     IDENTITY = "IDENTITY"
     PRIORITY = "PRIORITY"  # priority descending, first come first served among equals
-
-    @classmethod
-    def parse(cls, value: str | ReorderPolicy, field: str = "reorder") -> ReorderPolicy:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise InvalidFieldError(field, f"unknown reorder policy {value!r}") from None
-
-
-def _positive_int(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidFieldError(field, f"must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class ChunkingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.policy, ContextChunkingPolicy):
             raise InvalidFieldError("chunking.policy", f"must be a ContextChunkingPolicy, got {self.policy!r}")
-        _positive_int("chunking.unit_size", self.unit_size)
+        positive_int("chunking.unit_size", self.unit_size)
 
 
 @dataclass(frozen=True)
@@ -95,13 +108,13 @@ class SchedulerConfig:
     microbatch_after: LlmRequestState = LlmRequestState.GENERATION_TO_COMPLETE
 
     def __post_init__(self) -> None:
-        _positive_int("max_num_requests", self.max_num_requests)
-        _positive_int("max_batch_size", self.max_batch_size)
+        positive_int("max_num_requests", self.max_num_requests)
+        positive_int("max_batch_size", self.max_batch_size)
         if self.max_num_tokens is not None:
-            _positive_int("max_num_tokens", self.max_num_tokens)
+            positive_int("max_num_tokens", self.max_num_tokens)
         if self.max_context_length is not None:
-            _positive_int("max_context_length", self.max_context_length)
-        _positive_int("max_input_len_for_pause", self.max_input_len_for_pause)
+            positive_int("max_context_length", self.max_context_length)
+        positive_int("max_input_len_for_pause", self.max_input_len_for_pause)
         if not isinstance(self.capacity_policy, CapacitySchedulerPolicy):
             raise InvalidFieldError("capacity_policy", f"must be a CapacitySchedulerPolicy, got {self.capacity_policy!r}")
         if self.chunking is not None and not isinstance(self.chunking, ChunkingConfig):

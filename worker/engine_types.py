@@ -11,11 +11,23 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
+import msgspec
+
 from scheduler.block_manager import PrefixEvent
-from scheduler.config import CapacitySchedulerPolicy, ContextChunkingPolicy
+from scheduler.config import CapacitySchedulerPolicy, ContextChunkingPolicy, NamedEnum
+from worker.config import (
+    ConfigProblem,
+    ConfigStruct,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ProblemKind,
+    dataclass_compatible,
+    join_path,
+    load_config,
+)
 from worker.kv_layout import KvLayout
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
@@ -35,19 +47,10 @@ class EngineInputError(ValueError):
 EVENT_PREFILL_STARTED = "prefill started"
 
 
-class InstanceRole(enum.Enum):
+class InstanceRole(NamedEnum, field="role", label="role"):
     PREFILL = "PREFILL"
     GENERATION = "GENERATION"
     MIXED = "MIXED"
-
-    @classmethod
-    def parse(cls, value: str | InstanceRole) -> InstanceRole:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise EngineInputError("role", f"unknown role {value!r}; expected one of {[r.name for r in cls]}") from None
 
 
 class RequestType(enum.Enum):
@@ -67,54 +70,56 @@ ACCEPTED_TYPES: dict[InstanceRole, frozenset[RequestType]] = {
 }
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise EngineInputError(name, f"must be a positive integer, got {value!r}")
+@dataclass_compatible
+class EngineConfig(ConfigStruct, frozen=True):
+    """One instance's scheduler, KV pool and hand-over settings (`engine:` in the cluster config,
+    overridable per instance group); errors are EngineInputErrors naming the field."""
 
-
-def _positive_seconds(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise EngineInputError(name, f"must be a positive number of seconds, got {value!r}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
     role: InstanceRole = InstanceRole.MIXED
-    tokens_per_block: int = 16
-    # KV pool size: `num_blocks` if given, else as many blocks as fit in kv_cache_bytes.
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 256 * 1024 * 1024
-    max_num_requests: int = 64  # requests holding KV at once (capacity scheduler)
-    max_batch_size: int = 64  # requests per forward step (micro-batch scheduler)
-    max_num_tokens: int = 2048  # tokens per forward step
+    """What the instance serves."""
+    tokens_per_block: PositiveInt = 16
+    """Tokens per KV cache block (the same on every instance of a cluster)."""
+    num_blocks: PositiveInt | None = None
+    """KV pool size in blocks; None: as many blocks as fit in kv_cache_bytes."""
+    kv_cache_bytes: PositiveInt = 256 * 1024 * 1024
+    """KV pool size in bytes, used when num_blocks is None."""
+    max_num_requests: PositiveInt = 64
+    """Requests holding KV at once (capacity scheduler)."""
+    max_batch_size: PositiveInt = 64
+    """Requests per forward step (micro-batch scheduler)."""
+    max_num_tokens: PositiveInt = 2048
+    """Tokens per forward step."""
     capacity_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    """Capacity scheduler policy, by name."""
     chunking_policy: ContextChunkingPolicy | None = ContextChunkingPolicy.FIRST_COME_FIRST_SERVED
-    chunk_unit_tokens: int = 256  # a multiple of tokens_per_block
+    """Context chunking policy, by name; None: contexts are never chunked."""
+    chunk_unit_tokens: PositiveInt = 256
+    """Tokens per context chunk; a multiple of tokens_per_block, at most max_num_tokens."""
     enable_prefix_reuse: bool = True
-    max_seq_len: int | None = None  # default: the model's max_position_embeddings
-    max_waiting_requests: int = 4096  # requests queued in the engine beyond which submit refuses
-    # Hand-over bounds: a generation-side reservation is freed if no KV commits within
-    # reservation_timeout_s; a prefill-side request frees its blocks if the hand-over has not been
-    # acknowledged within sender_lease_s.
-    reservation_timeout_s: float = 30.0
-    sender_lease_s: float = 60.0
-    seed: int = 0  # mixed into the seed of requests that come without one
+    """Reuse cached KV blocks of shared prompt prefixes."""
+    max_seq_len: PositiveInt | None = None
+    """Longest prompt + output in tokens; None: the model's max_position_embeddings."""
+    max_waiting_requests: PositiveInt = 4096
+    """Requests queued in the engine beyond which submit refuses."""
+    reservation_timeout_s: PositiveFloat = 30.0
+    """Seconds a generation-side reservation waits for its KV to commit before it is freed."""
+    sender_lease_s: PositiveFloat = 60.0
+    """Seconds a prefill-side request keeps its blocks for a hand-over nobody acknowledged."""
+    seed: NonNegativeInt = 0
+    """Mixed into the seed of requests that come without one."""
     record_prefix_events: bool = True
+    """Report prefix-cache stores and removals to the router (for KV-aware placement)."""
+
+    @classmethod
+    def config_error(cls, problem: ConfigProblem) -> Exception:
+        if problem.kind is ProblemKind.UNKNOWN_KEY:
+            return EngineInputError(problem.path, "unknown engine option")
+        if problem.kind is ProblemKind.RULE and isinstance(problem.cause, EngineInputError):
+            return EngineInputError(join_path(problem.path, problem.cause.field), problem.cause.message)
+        return EngineInputError(problem.path, problem.detail)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.role, InstanceRole):
-            raise EngineInputError("role", f"must be an InstanceRole, got {self.role!r}")
-        for name in ("tokens_per_block", "kv_cache_bytes", "max_num_requests", "max_batch_size", "max_num_tokens",
-                     "chunk_unit_tokens", "max_waiting_requests"):
-            _positive_int(name, getattr(self, name))
-        if self.num_blocks is not None:
-            _positive_int("num_blocks", self.num_blocks)
-        if self.max_seq_len is not None:
-            _positive_int("max_seq_len", self.max_seq_len)
-        if not isinstance(self.capacity_policy, CapacitySchedulerPolicy):
-            raise EngineInputError("capacity_policy", f"must be a CapacitySchedulerPolicy, got {self.capacity_policy!r}")
-        if self.chunking_policy is not None and not isinstance(self.chunking_policy, ContextChunkingPolicy):
-            raise EngineInputError("chunking_policy", f"must be a ContextChunkingPolicy or None, got {self.chunking_policy!r}")
+        super().__post_init__()
         if self.chunk_unit_tokens % self.tokens_per_block:
             raise EngineInputError(
                 "chunk_unit_tokens",
@@ -124,25 +129,10 @@ class EngineConfig:
             raise EngineInputError(
                 "chunk_unit_tokens", f"{self.chunk_unit_tokens} exceeds max_num_tokens {self.max_num_tokens}"
             )
-        _positive_seconds("reservation_timeout_s", self.reservation_timeout_s)
-        _positive_seconds("sender_lease_s", self.sender_lease_s)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise EngineInputError("seed", f"must be a non-negative integer, got {self.seed!r}")
 
     def with_overrides(self, **overrides: object) -> EngineConfig:
-        """A copy with some fields replaced (policy names may be given as strings)."""
-        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        for name, value in overrides.items():
-            if name not in values:
-                raise EngineInputError(name, "unknown engine option")
-            if name == "role":
-                value = InstanceRole.parse(value)  # type: ignore[arg-type]
-            elif name == "capacity_policy":
-                value = CapacitySchedulerPolicy.parse(value)  # type: ignore[arg-type]
-            elif name == "chunking_policy" and value is not None:
-                value = ContextChunkingPolicy.parse(value)  # type: ignore[arg-type]
-            values[name] = value
-        return EngineConfig(**values)  # type: ignore[arg-type]
+        """A copy with some fields replaced (policy and role names may be given as strings)."""
+        return load_config(EngineConfig, {**msgspec.structs.asdict(self), **overrides})
 
 
 @dataclass(frozen=True)

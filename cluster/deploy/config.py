@@ -18,151 +18,148 @@
 Per instance group: `num_cpus` (fractions allowed, so 2 PREFILL + 2 GENERATION fit on 2 CPUs),
 `num_gpus` (null: 1 when the Ray cluster has GPUs, else 0), `torch_threads`, `resources` (custom
 Ray resources, e.g. node labels to pin roles to nodes), `engine` (overrides for that role).
-Unknown keys are errors naming their path.
+
+Every section is a config Struct (worker/config.py); `ClusterConfig.from_dict` is `load_config`, so
+every key is optional, an unknown key is an error naming its path (`instances[1].num_cpuz`), and a
+null section means its defaults. The sections that other areas own and that the instances receive
+as plain data (`engine`, `faults`, `kv_transfer`) stay plain data here, validated against their
+declarations (EngineConfig, FaultPlan, KvTransferConfig) so that a mistake fails at load, named by
+its path. Reading the YAML file (`from_yaml`) is the one piece of I/O, at this edge.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from cluster.router.config import ConfigError, DisaggMode, RouterConfig
+import msgspec
+from msgspec import Meta
+
+from cluster.router.config import ConfigError, ConfigSection, DisaggMode, RouterConfig, UnknownConfigKey
+from worker.config import (
+    ConfigProblem,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ProblemKind,
+    dataclass_compatible,
+    load_config,
+)
 from worker.engine_types import EngineConfig, EngineInputError, InstanceRole
+from worker.kv_transfer.config import KvTransferConfig
+from worker.kv_transfer.faults import FaultPlan
 
 
-def _check_keys(data: Mapping[str, Any], allowed: set[str], path: str) -> None:
-    if not isinstance(data, Mapping):
-        raise ConfigError(path or "<root>", f"expected a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ConfigError(f"{path}.{unknown[0]}" if path else unknown[0], f"unknown key; known keys: {sorted(allowed)}")
-
-
-def _number(path: str, value: object, *, minimum: float, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < minimum:
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(path, f"must be {kind} >= {minimum}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class InstanceGroup:
+class InstanceGroup(ConfigSection, frozen=True):
     role: InstanceRole
-    count: int = 1
-    num_cpus: float = 0.5
-    num_gpus: float | None = None  # None: 1 where the Ray cluster has GPUs, else 0
-    torch_threads: int | None = 1
-    resources: Mapping[str, float] = field(default_factory=dict)
-    engine: Mapping[str, Any] = field(default_factory=dict)
+    """What these instances serve (PREFILL, GENERATION, MIXED; any case); required."""
+    count: NonNegativeInt = 1
+    """How many instances of this group."""
+    num_cpus: NonNegativeFloat = 0.5
+    """CPUs each instance's actor reserves (fractions allowed)."""
+    num_gpus: NonNegativeFloat | None = None
+    """GPUs each instance reserves; None: 1 where the Ray cluster has GPUs, else 0."""
+    torch_threads: PositiveInt | None = 1
+    """torch threads in each instance; None: torch's default."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources each instance reserves (node labels pin roles to nodes: {gen_node: 0.01})."""
+    engine: dict[str, Any] = {}
+    """EngineConfig overrides for this group, over the cluster's `engine`."""
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], path: str) -> InstanceGroup:
-        _check_keys(data, {f.name for f in dataclasses.fields(cls)}, path)
-        if "role" not in data:
-            raise ConfigError(f"{path}.role", "is required")
-        try:
-            role = InstanceRole.parse(data["role"])
-        except EngineInputError as error:
-            raise ConfigError(f"{path}.role", error.message) from None
-        group = cls(**{**data, "role": role, "resources": dict(data.get("resources") or {}), "engine": dict(data.get("engine") or {})})
-        group.validate(path)
-        return group
-
-    def validate(self, path: str) -> None:
-        _number(f"{path}.count", self.count, minimum=0, integer=True)
-        _number(f"{path}.num_cpus", self.num_cpus, minimum=0)
-        if self.num_gpus is not None:
-            _number(f"{path}.num_gpus", self.num_gpus, minimum=0)
-        if self.torch_threads is not None:
-            _number(f"{path}.torch_threads", self.torch_threads, minimum=1, integer=True)
+    def __post_init__(self) -> None:
+        super().__post_init__()
         for name, amount in self.resources.items():
-            if not isinstance(name, str) or not name:
-                raise ConfigError(f"{path}.resources", "resource names must be non-empty strings")
-            _number(f"{path}.resources.{name}", amount, minimum=0)
+            if not name:
+                raise ConfigError("resources", "resource names must be non-empty strings")
+            if not (math.isfinite(amount) and amount >= 0):
+                raise ConfigError(f"resources.{name}", f"must be a number >= 0, got {amount!r}")
 
 
-@dataclass(frozen=True)
-class FrontendConfig:
+@dataclass_compatible
+class FrontendConfig(ConfigSection, frozen=True):
     host: str = "127.0.0.1"
-    port: int = 50051
+    """Address the gRPC front end binds."""
+    port: Annotated[int, Meta(ge=0, le=65535)] = 50051
+    """TCP port of the gRPC front end; 0 picks a free one."""
     tokens: tuple[str, ...] = ()
+    """Bearer tokens clients must present; empty: no authentication."""
     tls_cert: str | None = None
+    """PEM certificate chain file of the front end (with tls_key); None: plaintext."""
     tls_key: str | None = None
+    """PEM private key file (with tls_cert)."""
     tls_client_ca: str | None = None
-    # Prometheus /metrics on host:metrics_port (0 picks a free port; null turns it off).
-    metrics_port: int | None = 9464
-    # Every ended request's timeline as one JSON line in this file (null: off).
+    """PEM CA file; when set, clients must present a certificate it signed (mutual TLS)."""
+    metrics_port: NonNegativeInt | None = 9464
+    """Prometheus /metrics on host:metrics_port (0 picks a free port; None turns it off)."""
     timeline_log: str | None = None
+    """File that gets every ended request's timeline as one JSON line (None: off)."""
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], path: str) -> FrontendConfig:
-        _check_keys(data, {f.name for f in dataclasses.fields(cls)}, path)
-        config = cls(**{**data, "tokens": tuple(data.get("tokens") or ())})
-        _number(f"{path}.port", config.port, minimum=0, integer=True)
-        if config.port > 65535:
-            raise ConfigError(f"{path}.port", f"must be <= 65535, got {config.port}")
-        if config.metrics_port is not None:
-            _number(f"{path}.metrics_port", config.metrics_port, minimum=0, integer=True)
-        if (config.tls_cert is None) != (config.tls_key is None):
-            raise ConfigError(f"{path}.tls_cert", "tls_cert and tls_key go together")
-        return config
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert", "tls_cert and tls_key go together")
 
 
-@dataclass(frozen=True)
-class RayConfig:
-    address: str | None = None  # None: start an embedded local cluster (unless RAY_ADDRESS is set)
-    num_cpus: float | None = None  # embedded cluster only
-    dashboard_host: str = "127.0.0.1"  # the dashboard and job API run code for whoever reaches them
+@dataclass_compatible
+class RayConfig(ConfigSection, frozen=True):
+    address: str | None = None
+    """Ray cluster to join; None: start an embedded local cluster (unless RAY_ADDRESS is set)."""
+    num_cpus: Annotated[float, Meta(ge=1)] | None = None
+    """CPUs of the embedded cluster (embedded only); None: Ray's default."""
+    dashboard_host: str = "127.0.0.1"
+    """Where the dashboard and job API listen: they run code for whoever reaches them."""
     include_dashboard: bool = False
+    """Start Ray's dashboard (embedded cluster)."""
     namespace: str = "duet"
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], path: str) -> RayConfig:
-        _check_keys(data, {f.name for f in dataclasses.fields(cls)}, path)
-        config = cls(**data)
-        if config.num_cpus is not None:
-            _number(f"{path}.num_cpus", config.num_cpus, minimum=1)
-        return config
+    """Ray namespace of the cluster's named actors."""
 
 
 DEFAULT_GROUPS = (InstanceGroup(InstanceRole.PREFILL), InstanceGroup(InstanceRole.GENERATION))
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+@dataclass_compatible
+class ClusterConfig(ConfigSection, frozen=True):
     model: str | None = None
-    dtype: str = "auto"
+    """A local Hugging Face checkpoint directory; None: the embedded default model."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Model and KV dtype; auto: bfloat16 where the device supports it, else float32."""
     device: str = "auto"
+    """auto, cpu, cuda or cuda:N."""
     instances: tuple[InstanceGroup, ...] = DEFAULT_GROUPS
-    engine: Mapping[str, Any] = field(default_factory=dict)
-    placement_strategy: str = "spread"
-    router: RouterConfig = field(default_factory=RouterConfig)
-    frontend: FrontendConfig = field(default_factory=FrontendConfig)
+    """The instance groups to deploy."""
+    engine: dict[str, Any] = {}
+    """EngineConfig settings of every instance (worker/engine_types.py), as plain data."""
+    placement_strategy: Literal["spread", "pack"] = "spread"
+    """Spread roles over nodes, or pack them."""
+    router: RouterConfig = RouterConfig()
+    """Placement, recovery, admission, health and stage timeouts (cluster/router/config.py)."""
+    frontend: FrontendConfig = FrontendConfig()
+    """The gRPC front end and its metrics."""
     cluster_token: str | None = None
-    faults: Mapping[str, Any] | None = None
-    # KV transfer tuning: {"sender": SenderConfig fields, "receiver": ReceiverConfig fields}.
-    kv_transfer: Mapping[str, Any] = field(default_factory=dict)
-    ray: RayConfig = field(default_factory=RayConfig)
-    actor_start_timeout_s: float = 180.0
-    max_restarts: int = 3
-    drain_timeout_s: float = 30.0
+    """Shared secret of the KV transfer path; None: generated at launch."""
+    faults: dict[str, Any] | None = None
+    """A fault plan (worker/kv_transfer/faults.py FaultPlan) for chaos runs, as plain data; None: off."""
+    kv_transfer: dict[str, Any] = {}
+    """KV transfer tuning: {sender: SenderConfig fields, receiver: ReceiverConfig fields} (KvTransferConfig)."""
+    ray: RayConfig = RayConfig()
+    """Which Ray cluster, and how to start an embedded one."""
+    actor_start_timeout_s: Annotated[float, Meta(ge=1)] = 180.0
+    """Seconds the instances get to come up before the deployment fails."""
+    max_restarts: NonNegativeInt = 3
+    """Times Ray restarts a dead instance actor."""
+    drain_timeout_s: NonNegativeFloat = 30.0
+    """Seconds in-flight requests get to finish on SIGTERM."""
     seed: int | None = None
+    """Seed of the router's random choices; None: unseeded."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+        super().__post_init__()
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.placement_strategy not in ("spread", "pack"):
-            raise ConfigError("placement_strategy", f"must be spread or pack, got {self.placement_strategy!r}")
-        _number("actor_start_timeout_s", self.actor_start_timeout_s, minimum=1)
-        _number("max_restarts", self.max_restarts, minimum=0, integer=True)
-        _number("drain_timeout_s", self.drain_timeout_s, minimum=0)
-        _check_keys(self.kv_transfer, {"sender", "receiver"}, "kv_transfer")
         if not any(group.count for group in self.instances):
             raise ConfigError("instances", "deploys no instance")
         roles = {group.role for group in self.instances if group.count}
@@ -174,10 +171,11 @@ class ClusterConfig:
                 "no PREFILL instance is deployed: set it to 'never' (colocated serving)",
             )
         for index, group in enumerate(self.instances):
-            try:
-                self.engine_config(group)
-            except EngineInputError as error:
-                raise ConfigError(f"instances[{index}].engine.{error.field}", error.message) from None
+            settings = {**self.engine, **group.engine, "role": group.role}
+            load_config(EngineConfig, settings, errors=functools.partial(_engine_error, index, group, self.engine))
+        if self.faults is not None:
+            load_config(FaultPlan, self.faults, "faults", errors=ConfigError.from_problem)
+        load_config(KvTransferConfig, self.kv_transfer, "kv_transfer", errors=ConfigError.from_problem)
 
     def engine_config(self, group: InstanceGroup) -> EngineConfig:
         return EngineConfig().with_overrides(**{**self.engine, **group.engine, "role": group.role})
@@ -188,29 +186,8 @@ class ClusterConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
-        _check_keys(data, {f.name for f in dataclasses.fields(cls)}, "")
-        values: dict[str, Any] = dict(data)
-        if "instances" in data:
-            if not isinstance(data["instances"], list):
-                raise ConfigError("instances", "must be a list of instance groups")
-            values["instances"] = tuple(
-                InstanceGroup.from_dict(item, f"instances[{i}]") for i, item in enumerate(data["instances"])
-            )
-        router_data = dict(data.get("router") or {})
-        if "instances" in data and "placement" not in router_data:
-            # A deployment without PREFILL instances is colocated serving.
-            roles = {g.role for g in values["instances"] if g.count}
-            if InstanceRole.PREFILL not in roles:
-                router_data["placement"] = {"disaggregation": "never"}
-        try:
-            values["router"] = RouterConfig.from_dict(router_data)
-        except ConfigError as error:
-            raise error.under("router") from None
-        values["frontend"] = FrontendConfig.from_dict(data.get("frontend") or {}, "frontend")
-        values["ray"] = RayConfig.from_dict(data.get("ray") or {}, "ray")
-        values["engine"] = dict(data.get("engine") or {})
-        values["kv_transfer"] = dict(data.get("kv_transfer") or {})
-        return cls(**values)
+        """Build from plain data (a parsed YAML file); ConfigError naming the path otherwise."""
+        return load_config(cls, _colocated_without_prefill(data))
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
@@ -227,11 +204,38 @@ class ClusterConfig:
         for role in InstanceRole:
             if role in counts:
                 base = groups.get(role, InstanceGroup(role))
-                new.append(dataclasses.replace(base, count=counts[role]))
+                new.append(msgspec.structs.replace(base, count=counts[role]))
             elif role in groups:
                 new.append(groups[role])
         router = self.router
         roles = {g.role for g in new if g.count}
         if InstanceRole.PREFILL not in roles and router.placement.disaggregation is not DisaggMode.NEVER:
-            router = dataclasses.replace(router, placement=dataclasses.replace(router.placement, disaggregation=DisaggMode.NEVER))
-        return dataclasses.replace(self, instances=tuple(new), router=router)
+            placement = msgspec.structs.replace(router.placement, disaggregation=DisaggMode.NEVER)
+            router = msgspec.structs.replace(router, placement=placement)
+        return msgspec.structs.replace(self, instances=tuple(new), router=router)
+
+
+def _colocated_without_prefill(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A deployment whose instances include no PREFILL one is colocated serving: unless the
+    router's placement is given, its disaggregation is 'never'."""
+    if not isinstance(data, Mapping):
+        return data
+    instances, router = data.get("instances"), data.get("router") or {}
+    if not isinstance(instances, list) or not isinstance(router, Mapping) or "placement" in router:
+        return data
+    for group in instances:
+        count = group.get("count") if isinstance(group, Mapping) else None
+        if isinstance(group, Mapping) and str(group.get("role", "")).upper() == "PREFILL" and count != 0:
+            return data
+    return {**data, "router": {**router, "placement": {"disaggregation": "never"}}}
+
+
+def _engine_error(index: int, group: InstanceGroup, engine: Mapping[str, Any], problem: ConfigProblem) -> ConfigError:
+    """An engine setting's problem, named where it was set: the cluster's `engine` section, or the
+    group's (also for a rule between settings that neither set)."""
+    error = EngineConfig.config_error(problem)
+    assert isinstance(error, EngineInputError)
+    key = re.split(r"[.\[]", error.field)[0]
+    section = "engine" if key in engine and key not in group.engine else f"instances[{index}].engine"
+    kind = UnknownConfigKey if problem.kind is ProblemKind.UNKNOWN_KEY else ConfigError
+    return kind(f"{section}.{error.field}", error.message)

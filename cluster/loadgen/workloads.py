@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+from scheduler.config import positive_int
+
 logger = logging.getLogger(__name__)
 
 # ShareGPT filters, as vLLM's: drop tiny pairs, cap lengths (in estimated tokens).
@@ -77,11 +79,6 @@ class SharegptPair:
     completion: str
 
 
-def _positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise WorkloadError(name, f"must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True)
 class WorkloadConfig:
     """Lengths are in tokens. `input_len` is the whole prompt (fixed, log-normal mean), the suffix
@@ -109,7 +106,7 @@ class WorkloadConfig:
             raise WorkloadError("kind", f"must be a WorkloadKind, got {self.kind!r}")
         for name in ("num_requests", "input_len", "output_len", "max_input_len", "max_output_len",
                      "num_prefixes", "prefix_len", "suffixes_per_prefix", "turns"):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name), WorkloadError)
         for name in ("lognormal_sigma", "sharegpt_bytes_per_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

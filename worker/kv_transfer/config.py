@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any
 
+from msgspec import Meta
+
+from worker.config import ConfigProblem, ConfigStruct, PositiveFloat, ProblemKind, load_config
 from worker.kv_transfer.auth import TokenError, check_token
 from worker.kv_transfer.codec import FRAME_OVERHEAD_BYTES, SUPPORTED_CHECKSUMS, checksum_name
 from worker.kv_transfer.tls import TlsConfig
@@ -25,65 +26,47 @@ class TransferConfigError(ValueError):
     """An invalid configuration value (the message names the field)."""
 
 
-def _positive_int(name: str, value: object, *, low: int = 1, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise TransferConfigError(f"{name} must be an integer {bound}, got {value!r}")
+class _TransferSection(ConfigStruct, frozen=True):
+    """A section of the KV transfer configuration: its errors are TransferConfigErrors."""
+
+    @classmethod
+    def config_error(cls, problem: ConfigProblem) -> Exception:
+        if problem.kind is ProblemKind.UNKNOWN_KEY:
+            owner = problem.owner or cls
+            where = f"{problem.parent}: " if problem.parent else ""
+            return TransferConfigError(
+                f"{where}unknown {owner.__name__} field(s) {[problem.key]}; known: {sorted(owner.__struct_fields__)}"
+            )
+        if problem.kind is ProblemKind.RULE and not problem.path:
+            return TransferConfigError(problem.detail)
+        return TransferConfigError(f"{problem.path}: {problem.detail}")
 
 
-def _positive_float(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise TransferConfigError(f"{name} must be a positive finite number, got {value!r}")
-
-
-_C = TypeVar("_C")
-
-
-def _from_mapping(cls: type[_C], data: Mapping[str, Any]) -> _C:
-    if not isinstance(data, Mapping):
-        raise TransferConfigError(f"{cls.__name__} config must be a mapping, got {type(data).__name__}")
-    known = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise TransferConfigError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
-    return cls(**data)
-
-
-@dataclass(frozen=True)
-class ReceiverConfig:
+class ReceiverConfig(_TransferSection, frozen=True):
     """The KV transfer server of a generation (or mixed) instance."""
 
-    host: str = "127.0.0.1"
-    # 0 picks a free port; KvTransferServer.port tells which.
-    port: int = 0
-    # Open transfers beyond this are refused with RESOURCE_EXHAUSTED at Prepare.
-    max_open_transfers: int = 16
-    max_streams_per_transfer: int = 4
-    # Largest chunk payload accepted; the gRPC message limit is this plus a small header allowance.
-    max_chunk_bytes: int = 4 * MIB
-    # Upper bound on any transfer's lifetime, whatever the sender asks for.
-    max_transfer_s: float = 120.0
-    # How often overdue transfers are failed (DEADLINE_EXCEEDED) and their targets released.
-    reaper_interval_s: float = 0.25
-    # Finished transfer ids remembered, so late chunks are dropped quietly and retries answered.
-    finished_capacity: int = 4096
-    stop_grace_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host:
-            raise TransferConfigError(f"host must be a non-empty string, got {self.host!r}")
-        _positive_int("port", self.port, low=0, high=65535)
-        _positive_int("max_open_transfers", self.max_open_transfers, high=4096)
-        _positive_int("max_streams_per_transfer", self.max_streams_per_transfer, high=64)
-        _positive_int("max_chunk_bytes", self.max_chunk_bytes, low=MIN_CHUNK_BYTES, high=MAX_CHUNK_BYTES)
-        _positive_float("max_transfer_s", self.max_transfer_s)
-        _positive_float("reaper_interval_s", self.reaper_interval_s)
-        _positive_int("finished_capacity", self.finished_capacity, high=1 << 20)
-        _positive_float("stop_grace_s", self.stop_grace_s)
+    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
+    """Address the server binds."""
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """TCP port; 0 picks a free port (KvTransferServer.port tells which)."""
+    max_open_transfers: Annotated[int, Meta(ge=1, le=4096)] = 16
+    """Open transfers beyond this are refused with RESOURCE_EXHAUSTED at Prepare."""
+    max_streams_per_transfer: Annotated[int, Meta(ge=1, le=64)] = 4
+    """Parallel Push streams accepted per transfer."""
+    max_chunk_bytes: Annotated[int, Meta(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)] = 4 * MIB
+    """Largest chunk payload accepted, in bytes; the gRPC message limit is this plus a small header allowance."""
+    max_transfer_s: PositiveFloat = 120.0
+    """Upper bound in seconds on any transfer's lifetime, whatever the sender asks for."""
+    reaper_interval_s: PositiveFloat = 0.25
+    """Seconds between sweeps that fail overdue transfers (DEADLINE_EXCEEDED) and release their targets."""
+    finished_capacity: Annotated[int, Meta(ge=1, le=1 << 20)] = 4096
+    """Finished transfer ids remembered, so late chunks are dropped quietly and retries answered."""
+    stop_grace_s: PositiveFloat = 2.0
+    """Seconds in-flight RPCs get to finish when the server stops."""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ReceiverConfig:
-        return _from_mapping(cls, data)
+        return load_config(cls, data)
 
     @property
     def max_concurrent_rpcs(self) -> int:
@@ -91,37 +74,27 @@ class ReceiverConfig:
         return self.max_open_transfers * self.max_streams_per_transfer + 2 * self.max_open_transfers + 4
 
 
-@dataclass(frozen=True)
-class SenderConfig:
+class SenderConfig(_TransferSection, frozen=True):
     """The KV sender of a prefill (or mixed) instance."""
 
-    # Parallel Push streams per transfer (fewer if the receiver allows fewer or there are fewer chunks).
-    # 4 over 4 connections: 1.04 of raw TCP on a 16-core host against 0.80 with 2 over 2 (the streams'
-    # copies run on separate cores); on 2 cores the same as 2 over 2 (bench/transfer_bench.py).
-    num_streams: int = 4
-    # Separate TCP connections per receiver; streams are spread over them.
-    num_connections: int = 4
-    max_chunk_bytes: int = 4 * MIB
-    # Time allowed for the best-effort Abort sent after a failure.
-    abort_timeout_s: float = 1.0
-    # Checksum algorithms offered at Prepare, most preferred first (ChecksumAlgorithm names without
-    # their prefix). XXH3_64 is about 5x cheaper per byte than CRC32; CRC32 is what older receivers speak.
-    checksum_algorithms: tuple[str, ...] = ("XXH3_64", "CRC32")
+    num_streams: Annotated[int, Meta(ge=1, le=64)] = 4
+    """Parallel Push streams per transfer (fewer if the receiver allows fewer or there are fewer
+    chunks). 4 over 4 connections: 1.04 of raw TCP on a 16-core host against 0.80 with 2 over 2 (the
+    streams' copies run on separate cores); on 2 cores the same as 2 over 2 (bench/transfer_bench.py)."""
+    num_connections: Annotated[int, Meta(ge=1, le=64)] = 4
+    """Separate TCP connections per receiver; streams are spread over them."""
+    max_chunk_bytes: Annotated[int, Meta(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)] = 4 * MIB
+    """Largest chunk payload sent, in bytes."""
+    abort_timeout_s: PositiveFloat = 1.0
+    """Seconds allowed for the best-effort Abort sent after a failure."""
+    checksum_algorithms: Annotated[tuple[str, ...], Meta(min_length=1)] = ("XXH3_64", "CRC32")
+    """Checksum algorithms offered at Prepare, most preferred first (ChecksumAlgorithm names without
+    their prefix). XXH3_64 is about 5x cheaper per byte than CRC32; CRC32 is what older receivers speak."""
 
     def __post_init__(self) -> None:
-        _positive_int("num_streams", self.num_streams, high=64)
-        _positive_int("num_connections", self.num_connections, high=64)
-        _positive_int("max_chunk_bytes", self.max_chunk_bytes, low=MIN_CHUNK_BYTES, high=MAX_CHUNK_BYTES)
-        _positive_float("abort_timeout_s", self.abort_timeout_s)
-        if isinstance(self.checksum_algorithms, list):
-            object.__setattr__(self, "checksum_algorithms", tuple(self.checksum_algorithms))  # from YAML/JSON
+        super().__post_init__()
         names = self.checksum_algorithms
-        if (
-            not isinstance(names, tuple)
-            or not names
-            or len(set(names)) != len(names)
-            or any(name not in CHECKSUM_ALGORITHM_NAMES for name in names)
-        ):
+        if len(set(names)) != len(names) or any(name not in CHECKSUM_ALGORITHM_NAMES for name in names):
             raise TransferConfigError(
                 f"checksum_algorithms must be a non-empty list of distinct names from {sorted(CHECKSUM_ALGORITHM_NAMES)}, "
                 f"got {names!r}"
@@ -134,7 +107,17 @@ class SenderConfig:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> SenderConfig:
-        return _from_mapping(cls, data)
+        return load_config(cls, data)
+
+
+class KvTransferConfig(_TransferSection, frozen=True):
+    """The `kv_transfer:` section of the cluster configuration (its instances get the parts as
+    plain data; host and port of the receiver are set per instance)."""
+
+    sender: SenderConfig = SenderConfig()
+    """Settings of every prefill (or mixed) instance's sender."""
+    receiver: ReceiverConfig = ReceiverConfig()
+    """Settings of every generation (or mixed) instance's transfer server."""
 
 
 @dataclass(frozen=True)

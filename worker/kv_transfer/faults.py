@@ -58,14 +58,25 @@ import enum
 import fnmatch
 import hashlib
 import logging
-import math
 import os
 import signal
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from worker.config import (
+    ConfigProblem,
+    ConfigStruct,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ProblemKind,
+    load_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,34 +134,43 @@ _KINDS_BY_SIDE: dict[FaultSide, frozenset[FaultKind]] = {
 }
 
 
-@dataclass(frozen=True)
-class FaultRule:
+class _FaultSection(ConfigStruct, frozen=True):
+    """A part of the fault plan: its errors are FaultPlanErrors naming the rule and field."""
+
+    @classmethod
+    def config_error(cls, problem: ConfigProblem) -> Exception:
+        if problem.kind is ProblemKind.UNKNOWN_KEY:
+            known = sorted((problem.owner or cls).__struct_fields__)
+            return FaultPlanError(f"{problem.parent or 'faults'}: unknown field(s) {[problem.key]}; known: {known}")
+        if problem.kind is ProblemKind.MISSING:
+            return FaultPlanError(f"{problem.parent}: {problem.key} is required")
+        return FaultPlanError(f"{problem.path}: {problem.detail}" if problem.path else problem.detail)
+
+
+class FaultRule(_FaultSection, frozen=True):
     kind: FaultKind
+    """What to do (the table above); required."""
     side: FaultSide = FaultSide.SENDER
+    """Which end of the transfer acts."""
     scope: FaultScope = FaultScope.CHUNK
-    probability: float = 1.0
+    """chunk: every chunk draws on its own; transfer: one draw per transfer, a hit acts on `chunk` (default 0)."""
+    probability: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    """Chance of a hit per draw (0..1)."""
     request_ids: frozenset[str] = frozenset()
-    chunk: int | None = None
-    seconds: float | None = None
+    """Only these requests (shell-style patterns, "chaos-7.*"); empty: all."""
+    chunk: NonNegativeInt | None = None
+    """Only this chunk sequence number."""
+    seconds: NonNegativeFloat | None = None
+    """delay and hold: how long, in seconds; stall: how far past the deadline (default 0.5 s)."""
     state: str | None = None
-    max_fires: int | None = None
+    """hold: the state name to hold the request in."""
+    max_fires: PositiveInt | None = None
+    """Stop after this many hits."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kind not in _KINDS_BY_SIDE[self.side]:
             raise FaultPlanError(f"kind {self.kind.value!r} cannot act on the {self.side.value} side")
-        if not (isinstance(self.probability, int | float) and 0.0 <= self.probability <= 1.0):
-            raise FaultPlanError(f"probability must be in [0, 1], got {self.probability!r}")
-        if self.chunk is not None and (not isinstance(self.chunk, int) or isinstance(self.chunk, bool) or self.chunk < 0):
-            raise FaultPlanError(f"chunk must be a non-negative integer, got {self.chunk!r}")
-        if self.max_fires is not None and (not isinstance(self.max_fires, int) or self.max_fires < 1):
-            raise FaultPlanError(f"max_fires must be a positive integer, got {self.max_fires!r}")
-        if self.seconds is not None and (
-            isinstance(self.seconds, bool)
-            or not isinstance(self.seconds, int | float)
-            or not math.isfinite(self.seconds)
-            or self.seconds < 0
-        ):
-            raise FaultPlanError(f"seconds must be a non-negative number, got {self.seconds!r}")
         if self.kind in (FaultKind.DELAY, FaultKind.HOLD) and self.seconds is None:
             raise FaultPlanError(f"kind {self.kind.value!r} needs seconds")
         if self.kind is FaultKind.HOLD:
@@ -158,8 +178,6 @@ class FaultRule:
                 raise FaultPlanError("kind 'hold' needs state (the state name to hold the request in)")
         elif self.state is not None:
             raise FaultPlanError(f"state applies only to kind 'hold', not {self.kind.value!r}")
-        if not all(isinstance(request_id, str) for request_id in self.request_ids):
-            raise FaultPlanError("request_ids must be strings")
 
     @property
     def target_chunk(self) -> int | None:
@@ -174,75 +192,23 @@ class FaultRule:
         return not self.request_ids or any(fnmatch.fnmatchcase(request_id, pattern) for pattern in self.request_ids)
 
 
-_RULE_FIELDS = {"kind", "side", "scope", "probability", "request_ids", "chunk", "seconds", "state", "max_fires"}
+class FaultPlan(_FaultSection, frozen=True):
+    """The `faults:` section: a plan given is on unless it says `enabled: false`."""
 
-
-def _parse_enum(enum_type: type[enum.Enum], value: object, where: str) -> Any:
-    try:
-        return enum_type(value)
-    except ValueError:
-        choices = [member.value for member in enum_type]
-        raise FaultPlanError(f"{where}: {value!r} is not one of {choices}") from None
-
-
-def _rule_from_mapping(index: int, data: object) -> FaultRule:
-    where = f"faults.rules[{index}]"
-    if not isinstance(data, Mapping):
-        raise FaultPlanError(f"{where} must be a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - _RULE_FIELDS)
-    if unknown:
-        raise FaultPlanError(f"{where}: unknown field(s) {unknown}; known: {sorted(_RULE_FIELDS)}")
-    if "kind" not in data:
-        raise FaultPlanError(f"{where}: kind is required")
-    request_ids = data.get("request_ids", ())
-    if isinstance(request_ids, str) or not isinstance(request_ids, list | tuple | frozenset | set):
-        raise FaultPlanError(f"{where}.request_ids must be a list of strings")
-    try:
-        return FaultRule(
-            kind=_parse_enum(FaultKind, data["kind"], f"{where}.kind"),
-            side=_parse_enum(FaultSide, data.get("side", "sender"), f"{where}.side"),
-            scope=_parse_enum(FaultScope, data.get("scope", "chunk"), f"{where}.scope"),
-            probability=data.get("probability", 1.0),
-            request_ids=frozenset(request_ids),
-            chunk=data.get("chunk"),
-            seconds=data.get("seconds"),
-            state=data.get("state"),
-            max_fires=data.get("max_fires"),
-        )
-    except FaultPlanError as error:
-        raise FaultPlanError(f"{where}: {error}") from None
-
-
-@dataclass(frozen=True)
-class FaultPlan:
-    enabled: bool = False
+    enabled: bool = True
+    """Inject the rules' faults (a plan with no rules injects nothing either way)."""
     seed: int = 0
+    """Seed of the draws: the same plan and seed give the same faults in every run."""
     rules: tuple[FaultRule, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise FaultPlanError(f"faults.enabled must be a boolean, got {self.enabled!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise FaultPlanError(f"faults.seed must be an integer, got {self.seed!r}")
+    """The rules, each drawn on its own."""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None) -> FaultPlan:
         """Build from config data; None or {} is the disabled plan."""
-        if not data:
-            return cls()
-        if not isinstance(data, Mapping):
-            raise FaultPlanError(f"faults must be a mapping, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"enabled", "seed", "rules"})
-        if unknown:
-            raise FaultPlanError(f"faults: unknown field(s) {unknown}; known: ['enabled', 'rules', 'seed']")
-        rules = data.get("rules", [])
-        if not isinstance(rules, list | tuple):
-            raise FaultPlanError("faults.rules must be a list")
-        return cls(
-            enabled=data.get("enabled", True),
-            seed=data.get("seed", 0),
-            rules=tuple(_rule_from_mapping(index, rule) for index, rule in enumerate(rules)),
-        )
+        return load_config(cls, data, "faults") if data else NO_FAULTS
+
+
+NO_FAULTS = FaultPlan(enabled=False)
 
 
 @dataclass(frozen=True)
