@@ -255,10 +255,16 @@ class RequestFlow:
         if not attempt.live and not (attempt.phase is Phase.PREFILL and output.finished):
             return actions
         if output.new_token_ids and attempt.live:
+            if attempt.phase is Phase.GENERATION and self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+                # Tokens of a generation hop whose KV was never committed: impossible for a sane
+                # instance. Noted, not streamed; the stage timeout recovers the request.
+                actions.append(NoteInconsistent(self.request_id, attempt.instance_id, "tokens before the KV commit", self.state.name))
+                return actions
             self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
-            if attempt.phase is Phase.COLOCATED and self.state in (GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS):
-                if self.state is GlobalState.CONTEXT_WAIT:
-                    self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+            if attempt.phase is not Phase.GENERATION and self.state is GlobalState.CONTEXT_WAIT:
+                # Its first token says the prefill ran, if the "prefill started" event was not seen.
+                self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+            if attempt.phase is Phase.COLOCATED and self.state is GlobalState.CONTEXT_IN_PROGRESS:
                 if not (output.finished and output.error is None):
                     self._transition(GlobalState.GENERATING, attempt.instance_id, "first token")
             first = self.first_token_s is None
@@ -299,8 +305,9 @@ class RequestFlow:
             # The first token was also the last (stop token, max_tokens 1, stop string).
             self._complete(actions, output)
             return
-        # An error the router caused (abort, release after a decision) was already handled.
-        if not was_live or output.error.code is ErrorCode.ABORTED or attempt.failure_handled:
+        # An error the router caused (abort, release after a decision) was already handled; once
+        # the request is GENERATING its KV moved, and the prefill hop's end changes nothing.
+        if not was_live or output.error.code is ErrorCode.ABORTED or attempt.failure_handled or self.state is GlobalState.GENERATING:
             return
         self._transfer_failed(actions, attempt, f"{output.error.code.value}: {output.error.detail}", fleet, kv_survives=False)
 
@@ -383,7 +390,10 @@ class RequestFlow:
         if rejected is not None:
             field, message = rejected
             return self._end(actions, Outcome.ERROR, None, None, ErrorKind.INVALID_ARGUMENT, f"{field}: {message}")
-        self._recover(actions, attempt, f"{attempt.instance_id} unavailable: {unavailable}", fleet, kv_survives=False, suspect=attempt.instance_id)
+        # A generation hop that could not be submitted leaves the prefill's KV where it was.
+        kv_survives = attempt.phase is Phase.GENERATION and self.prefill is not None and self.prefill.holds_handover_kv
+        reason = f"{attempt.instance_id} unavailable: {unavailable}"
+        self._recover(actions, attempt, reason, fleet, kv_survives=kv_survives, suspect=attempt.instance_id)
         return actions
 
     def on_instance_dead(self, attempt: Attempt, reason: str, now_s: float, fleet: FleetView) -> list[Action]:
@@ -492,7 +502,10 @@ class RequestFlow:
         exclude = frozenset({suspect} if suspect else ())
         prefill = self.prefill
         applicable = {RecoveryAction.FAIL}
-        if kv_survives and prefill is not None and prefill.holds_handover_kv and fleet.has_healthy(GENERATION_ROLES, exclude):
+        # Retrying the transfer needs the prefill's KV and a hand-over not yet done: once the
+        # request is GENERATING, tokens came from the generation hop and the KV moved already.
+        in_handover = self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION)
+        if kv_survives and in_handover and prefill is not None and prefill.holds_handover_kv and fleet.has_healthy(GENERATION_ROLES, exclude):
             applicable.add(RecoveryAction.RETRY_TRANSFER)
         # Re-placement excludes the request's current prefill instance: judge applicability on the
         # same candidates, or the chain stops at a placement failure instead of moving on.
