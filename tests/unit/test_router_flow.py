@@ -16,7 +16,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.router.actions import EmitTokens, Finish, NoteRecovery, NoteTransfer, Phase, Push, StartHop, StopHop
+from cluster.router.actions import (
+    EmitTokens,
+    Finish,
+    NoteRecovery,
+    NoteTransfer,
+    Phase,
+    Push,
+    StartHop,
+    StopHop,
+)
 from cluster.router.api import ErrorKind, InstanceHealthView, Outcome
 from cluster.router.config import RecoveryAction, RouterConfig
 from cluster.router.fleet import Fleet
