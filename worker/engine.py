@@ -43,20 +43,7 @@ from scheduler.state import LlmRequestState
 from worker.attention import SequenceChunk, disable_cudnn_attention
 from worker.detokenizer import IncrementalDetokenizer
 from worker.device import dtype_name
-from worker.engine_types import (
-    ACCEPTED_TYPES,
-    EVENT_PREFILL_STARTED,
-    EngineConfig,
-    EngineInputError,
-    EngineLoad,
-    ErrorCode,
-    RequestError,
-    RequestOutput,
-    RequestType,
-    Reservation,
-    StateEvent,
-    SubmitRequest,
-)
+from worker.engine_types import EngineConfig, Reservation
 from worker.kv_cache import PagedKvCache
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason, TransferFailure, TransferRejected
@@ -64,6 +51,18 @@ from worker.kv_transfer.ids import new_transfer_id
 from worker.model import DecoderLM
 from worker.model_config import GenerationConfig
 from worker.model_runner import ModelRunner
+from worker.protocol import (
+    EVENT_PREFILL_STARTED,
+    REQUEST_TYPES_BY_ROLE,
+    EngineInputError,
+    EngineLoad,
+    ErrorCode,
+    RequestError,
+    RequestOutput,
+    RequestType,
+    StateEvent,
+    SubmitRequest,
+)
 from worker.sampler import Sampler, SampleRow
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason, StopChecker
@@ -212,7 +211,7 @@ class Engine:
         cfg = self.config
         if submit.request_id in self._requests:
             raise EngineInputError("request_id", f"request {submit.request_id!r} is already in this engine")
-        if submit.request_type not in ACCEPTED_TYPES[cfg.role]:
+        if submit.request_type not in REQUEST_TYPES_BY_ROLE[cfg.role]:
             raise EngineInputError("request_type", f"a {cfg.role.name} instance does not take {submit.request_type.name}")
         if len(self._requests) >= cfg.max_waiting_requests:
             raise EngineInputError("queue", f"{len(self._requests)} requests already in the engine")

@@ -70,7 +70,7 @@ from cluster.router.instance_client import InstanceClient, InstanceRejected, Ins
 from cluster.router.observe import RouterMetrics, TimelineLog
 from cluster.router.placement import Candidate, InstanceHealth, NoInstanceAvailable, PlacementRequest, Placer
 from cluster.router.prefix_index import PrefixIndex
-from cluster.router.snapshot import InstanceLoad, PrefixEvent, PrefixEventKind
+from cluster.router.snapshot import InstanceSnapshot
 from cluster.router.state import (
     TRANSITIONS,
     GlobalState,
@@ -79,19 +79,23 @@ from cluster.router.state import (
     Route,
     global_states_for_local,
 )
-from cluster.router.state import RequestType as LocalRequestType
 from cluster.shutdown import STOP_TIMEOUT_S, cancel_and_wait
 from scheduler.block_hash import block_hash_chain
-from worker.engine_types import (
+from worker.kv_transfer.failures import FailureReason
+from worker.protocol import (
     EVENT_PREFILL_STARTED,
     EngineLoad,
     ErrorCode,
+    InstanceInfo,
     InstanceRole,
+    PollBatch,
+    PushResult,
     RequestOutput,
     RequestType,
+    ReservationNotice,
     SubmitRequest,
 )
-from worker.instance_protocol import InstanceInfo, PollBatch, PushResult, ReservationNotice, encode_submit
+from worker.protocol import RequestType as LocalRequestType
 from worker.sampling import InvalidSamplingParams, SamplingParams
 from worker.stopping import FinishReason
 
@@ -442,23 +446,10 @@ class Router:
             candidates.append(Candidate(self._snapshot(instance), health))
         return candidates
 
-    def _snapshot(self, instance: _Instance) -> InstanceLoad:
-        load = instance.load
+    def _snapshot(self, instance: _Instance) -> InstanceSnapshot:
         info = instance.info
-        return InstanceLoad(
-            instance_id=info.instance_id,
-            role=info.role,
-            sequence=max(instance.poll_sequence, 0),
-            timestamp_s=instance.last_report_wall_s,
-            total_blocks=load.total_blocks if load else info.num_blocks,
-            free_blocks=load.free_blocks if load else info.num_blocks,
-            tokens_per_block=info.layout.tokens_per_block,
-            queued_requests=load.queued_requests if load else 0,
-            running_requests=load.running_requests if load else 0,
-            queued_prompt_tokens=load.queued_prompt_tokens if load else 0,
-            tokens_in_flight=load.tokens_in_flight if load else 0,
-            num_paused=load.num_paused if load else 0,
-        )
+        load = instance.load or EngineLoad(info.role, info.num_blocks, info.num_blocks, info.layout.tokens_per_block)
+        return InstanceSnapshot(info.instance_id, load, sequence=max(instance.poll_sequence, 0))
 
     def _placement_request(self, request: _Request) -> PlacementRequest:
         return PlacementRequest(
@@ -521,7 +512,7 @@ class Router:
         )
         attempt.submitting = True
         try:
-            await instance.client.submit(encode_submit(submit))
+            await instance.client.submit(submit)
         except InstanceRejected as error:
             attempt.submitting = False
             attempt.live = False
@@ -570,7 +561,7 @@ class Router:
             return
         try:
             if attempt.phase is Phase.PREFILL and attempt.context_done:
-                await instance.client.release(attempt.engine_id, "CANCELLED", detail)
+                await instance.client.release(attempt.engine_id, FailureReason.CANCELLED, detail)
             await instance.client.abort(attempt.engine_id, detail)
         except InstanceUnavailable as error:
             logger.info("could not stop %s on %s: %s", attempt.engine_id, attempt.instance_id, error)
@@ -674,23 +665,9 @@ class Router:
             metrics.running.labels(*labels).set(load.running_requests)
         metrics.queue_depth.set(sum(1 for r in self._requests.values() if r.timeline.state is GlobalState.QUEUED))
 
-    def _prefix_snapshot(self, instance: _Instance, batch: PollBatch, reset: bool) -> InstanceLoad:
-        load = batch.load
-        assert load is not None
-        events = []
-        # Keep the order the instance reported: group runs of the same kind.
-        for kind, group in itertools.groupby(load.prefix_events, key=lambda e: e.kind.value):
-            hashes = tuple(e.block_hash for e in group)
-            events.append(PrefixEvent(PrefixEventKind.STORED if kind == "stored" else PrefixEventKind.REMOVED, hashes))
-        base = self._snapshot(instance)
-        return InstanceLoad(
-            **{
-                **{f: getattr(base, f) for f in base.__dataclass_fields__ if f not in ("prefix_events", "reset", "sequence")},
-                "sequence": batch.sequence,
-                "prefix_events": tuple(events),
-                "reset": reset,
-            }
-        )
+    def _prefix_snapshot(self, instance: _Instance, batch: PollBatch, reset: bool) -> InstanceSnapshot:
+        assert batch.load is not None
+        return InstanceSnapshot(instance.instance_id, batch.load, sequence=batch.sequence, reset=reset)
 
     # --- reports ---------------------------------------------------------------------------------------
     def _live_attempt(self, instance: _Instance, engine_id: str) -> _Attempt | None:

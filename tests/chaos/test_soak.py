@@ -36,8 +36,8 @@ from cluster.loadgen.chaos import (
     timeline_recoveries,
 )
 from cluster.router.config import DisaggMode
-from worker.engine_types import InstanceRole
 from worker.kv_transfer.faults import FaultPlan
+from worker.protocol import InstanceRole
 
 SOAK_REQUESTS = 240
 SOAK_KILL_EVERY = 100  # 2 kills
@@ -351,7 +351,7 @@ def test_a_late_push_failure_report_from_the_sender_is_consistent_with_the_retri
         Route,
         global_states_for_local,
     )
-    from cluster.router.state import RequestType as LocalRequestType
+    from worker.protocol import RequestType as LocalRequestType
 
     timeline = RequestTimeline("r", clock=lambda: 0.0)
     for state in (
@@ -452,8 +452,7 @@ async def _to_the_push(router, prefill, generation):
     """Submit request "r" (3 greedy tokens) and script it to its KV push: p0 computes the context,
     g0 reserves, the router asks p0 to push. Returns the request's handle."""
     from cluster.router.api import ClientRequest
-    from worker.engine_types import RequestOutput
-    from worker.instance_protocol import ReservationNotice
+    from worker.protocol import RequestOutput, ReservationNotice
     from worker.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -470,8 +469,8 @@ class _ScriptedInstance:
     """An InstanceClient whose poll batches the test hands it, recording every call (no engine)."""
 
     def __init__(self, instance_id: str, role: InstanceRole) -> None:
-        from worker.instance_protocol import InstanceInfo
         from worker.kv_layout import KvLayout
+        from worker.protocol import InstanceInfo
 
         layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, tokens_per_block=16, dtype="float32", model_fingerprint="fp")
         self.instance_id = instance_id
@@ -483,7 +482,7 @@ class _ScriptedInstance:
         self._sequence = 0
 
     def feed(self, **parts) -> None:
-        from worker.instance_protocol import PollBatch
+        from worker.protocol import PollBatch
 
         self._sequence += 1
         self.batches.put_nowait(PollBatch(incarnation="inc-1", sequence=self._sequence, **parts))
@@ -497,7 +496,7 @@ class _ScriptedInstance:
     async def poll(self, timeout_s: float):
         import asyncio
 
-        from worker.instance_protocol import PollBatch
+        from worker.protocol import PollBatch
 
         try:
             return await asyncio.wait_for(self.batches.get(), timeout_s)
@@ -505,10 +504,8 @@ class _ScriptedInstance:
             self._sequence += 1
             return PollBatch(incarnation="inc-1", sequence=self._sequence)
 
-    async def submit(self, payload: bytes) -> None:
-        from worker.instance_protocol import decode_submit
-
-        self.calls.append(("submit", decode_submit(payload).request_id))
+    async def submit(self, request) -> None:
+        self.calls.append(("submit", request.request_id))
         if self.submit_gate is not None:
             await self.submit_gate.wait()
 
@@ -517,7 +514,7 @@ class _ScriptedInstance:
         if self.abort_gate is not None:
             await self.abort_gate.wait()
 
-    async def release(self, request_id: str, reason: str, detail: str) -> None:
+    async def release(self, request_id: str, reason, detail: str) -> None:
         self.calls.append(("release", request_id))
 
     async def push(self, request_id, target, transfer_id, deadline_s, target_request_id) -> None:
@@ -539,8 +536,7 @@ def test_a_push_that_fails_after_the_receiver_committed_does_not_undo_the_hand_o
 
     from cluster.router.api import FinalEvent, Outcome
     from cluster.router.config import RouterConfig
-    from worker.engine_types import RequestOutput, StateEvent
-    from worker.instance_protocol import PushResult
+    from worker.protocol import PushResult, RequestOutput, StateEvent
     from worker.stopping import FinishReason
 
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
@@ -597,7 +593,7 @@ def test_one_failure_gets_one_recovery_even_when_the_instance_is_slow_to_answer(
     import asyncio
 
     from cluster.router.config import RouterConfig
-    from worker.instance_protocol import PushResult
+    from worker.protocol import PushResult
 
     config = RouterConfig.from_dict(
         {
@@ -639,7 +635,8 @@ def test_a_failure_reported_while_a_recovery_runs_is_acted_on_after_it() -> None
 
     from cluster.router.api import Outcome
     from cluster.router.config import RouterConfig
-    from worker.engine_types import ErrorCode, FinishReason, RequestError, RequestOutput
+    from worker.protocol import ErrorCode, RequestError, RequestOutput
+    from worker.stopping import FinishReason
 
     config = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}})
     prefill, generation = _ScriptedInstance("p0", InstanceRole.PREFILL), _ScriptedInstance("g0", InstanceRole.GENERATION)
@@ -686,8 +683,9 @@ def test_a_client_request_id_used_again_gets_fresh_hop_ids() -> None:
     from cluster.router.api import ClientRequest, Outcome
     from cluster.router.config import RouterConfig
     from cluster.router.driver import Router
-    from worker.engine_types import ErrorCode, FinishReason, RequestError, RequestOutput
+    from worker.protocol import ErrorCode, RequestError, RequestOutput
     from worker.sampling import SamplingParams
+    from worker.stopping import FinishReason
     from worker.tokenizer import ByteTokenizer
 
     config = RouterConfig.from_dict(
