@@ -9,8 +9,8 @@ any of its calls, so that an interleaving of the router's tasks is chosen by the
     p0.let_go("release")
 
 It speaks the router's InstanceClient interface with the real message types (a submitted request
-goes through the wire codec, as it would to an instance). Calls are recorded in the order the instance *finishes* them, which is
-the order an instance would act on them.
+goes through the wire codec, as it would to an instance). Calls are recorded in the order the
+instance *finishes* them, which is the order an instance would act on them.
 """
 
 from __future__ import annotations
