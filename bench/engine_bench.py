@@ -38,7 +38,8 @@ from worker.default_model import BENCH_SEED, bench_model_config, build_default_m
 from worker.dense import DenseGenerator  # noqa: E402
 from worker.device import resolve_device  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.engine_types import EngineConfig, SubmitRequest  # noqa: E402
+from worker.engine_types import EngineConfig  # noqa: E402
+from worker.protocol import SubmitRequest  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402
 

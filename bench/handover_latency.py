@@ -26,8 +26,9 @@ from cluster.router.api import ClientRequest, TokenEvent  # noqa: E402
 from cluster.router.config import RouterConfig  # noqa: E402
 from cluster.router.driver import Router  # noqa: E402
 from cluster.router.instance_client import LocalInstanceClient  # noqa: E402
-from worker.engine_types import EngineConfig, InstanceRole  # noqa: E402
+from worker.engine_types import EngineConfig  # noqa: E402
 from worker.instance import Instance, InstanceSpec  # noqa: E402
+from worker.protocol import InstanceRole  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402
 

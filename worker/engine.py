@@ -17,17 +17,18 @@ Roles (TensorRT-LLM's disaggregated flow):
   (DISAGG_GENERATION_TRANS_IN_PROGRESS); on commit it becomes DISAGG_GENERATION_TRANS_COMPLETE and
   generates. A failed or expired hand-over ends in DISAGG_TRANS_ERROR and frees the blocks.
 
+The hand-over bookkeeping of both sides (reservations, leases, pinned blocks, deferred ends, the
+inbox) is worker/handover.py's; this module moves the requests' states and emits their outputs.
+
 Threading: the engine is driven by one thread. Transfer threads touch it only through the sink,
-the sources and `report_handover`: they write KV into reserved blocks under a per-reservation lock
-and post commits and results to an inbox that the engine thread drains at the next step.
+the sources and `report_push`: they write KV into reserved blocks under a per-reservation lock
+and post commits and results to the hand-over inbox, which the engine thread drains at the next step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import queue
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -43,27 +44,37 @@ from scheduler.state import LlmRequestState
 from worker.attention import SequenceChunk, disable_cudnn_attention
 from worker.detokenizer import IncrementalDetokenizer
 from worker.device import dtype_name
-from worker.engine_types import (
-    ACCEPTED_TYPES,
+from worker.engine_types import EngineConfig, Reservation
+from worker.handover import (
+    EndRequest,
+    EndTiming,
+    Expiry,
+    Handover,
+    KvCommitted,
+    KvWriteFailed,
+    PushReported,
+    RequestHandover,
+    TransferTarget,
+    Unpinned,
+)
+from worker.kv_cache import PagedKvCache
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.failures import FailureReason, TransferFailure
+from worker.model import DecoderLM
+from worker.model_config import GenerationConfig
+from worker.model_runner import ModelRunner
+from worker.protocol import (
     EVENT_PREFILL_STARTED,
-    EngineConfig,
+    REQUEST_TYPES_BY_ROLE,
     EngineInputError,
     EngineLoad,
     ErrorCode,
     RequestError,
     RequestOutput,
     RequestType,
-    Reservation,
     StateEvent,
     SubmitRequest,
 )
-from worker.kv_cache import PagedKvCache
-from worker.kv_layout import KvLayout
-from worker.kv_transfer.failures import FailureReason, TransferFailure, TransferRejected
-from worker.kv_transfer.ids import new_transfer_id
-from worker.model import DecoderLM
-from worker.model_config import GenerationConfig
-from worker.model_runner import ModelRunner
 from worker.sampler import Sampler, SampleRow
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason, StopChecker
@@ -92,30 +103,10 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
     num_cached_tokens: int = 0
-    reservation: _Reservation | None = None
-    lease_deadline_s: float | None = None
-    pushes_in_flight: int = 0
-    # An abort or release that came while a push was reading the blocks: it takes effect (and the
-    # blocks are freed) when the push returns, never under a reader's feet.
-    deferred_end: Callable[[list[RequestOutput]], None] | None = None
+    handover: RequestHandover = field(default_factory=RequestHandover)
     held_until_s: float = 0.0
     finished: bool = False
     timeline: list[StateEvent] = field(default_factory=list)
-
-
-class _Reservation:
-    """Generation side: the blocks reserved for one incoming transfer. Guarded by `lock`, which
-    a transfer thread holds while it writes, so the engine never frees blocks mid-write."""
-
-    def __init__(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, expires_at_s: float):
-        self.transfer_id = transfer_id
-        self.request_id = request_id
-        self.block_ids = block_ids
-        self.num_tokens = num_tokens
-        self.expires_at_s = expires_at_s
-        self.lock = threading.Lock()
-        self.live = True  # false once expired, failed, cancelled or finished
-        self.committed = False
 
 
 def _mix_seed(engine_seed: int, request_id: str) -> int:
@@ -194,11 +185,12 @@ class Engine:
         self.sampler = Sampler(eos_token_ids=eos)
         self._requests: dict[str, _Tracked] = {}
         self._active: list[LlmRequest] = []
-        self._reservations: dict[str, _Reservation] = {}
-        self._reservations_lock = threading.Lock()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._on_inbox = on_inbox  # wakes an idle step loop when another thread posts
-        self._new_reservations: list[Reservation] = []
+        self.handover = Handover(
+            self.layout,
+            reservation_timeout_s=cfg.reservation_timeout_s,
+            sender_lease_s=cfg.sender_lease_s,
+            on_inbox=on_inbox,
+        )
         self._pending_outputs: list[RequestOutput] = []
         self._events: list[StateEvent] = []
         self.num_steps = 0
@@ -212,7 +204,7 @@ class Engine:
         cfg = self.config
         if submit.request_id in self._requests:
             raise EngineInputError("request_id", f"request {submit.request_id!r} is already in this engine")
-        if submit.request_type not in ACCEPTED_TYPES[cfg.role]:
+        if submit.request_type not in REQUEST_TYPES_BY_ROLE[cfg.role]:
             raise EngineInputError("request_type", f"a {cfg.role.name} instance does not take {submit.request_type.name}")
         if len(self._requests) >= cfg.max_waiting_requests:
             raise EngineInputError("queue", f"{len(self._requests)} requests already in the engine")
@@ -254,7 +246,7 @@ class Engine:
 
     # --- the step ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._requests) or bool(self._pending_outputs) or not self._inbox.empty()
+        return bool(self._requests) or bool(self._pending_outputs) or self.handover.has_mail()
 
     def step(self) -> list[RequestOutput]:
         now = self._clock()
@@ -339,7 +331,7 @@ class Engine:
                 continue
             if finishing_context and tracked.submit.request_type is RequestType.CONTEXT_ONLY:
                 self._set_state(tracked, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
-                tracked.lease_deadline_s = self._clock() + self.config.sender_lease_s
+                self.handover.start_lease(tracked.handover, self._clock())
                 outputs.append(self._output(tracked, [token], text, (logprobs,), context_done=True))
                 continue
             if finishing_context:
@@ -359,45 +351,27 @@ class Engine:
         for llm in requests:
             tracked = self._requests[llm.request_id]
             self.blocks.add_sequence(llm, reuse=False)
-            reservation = _Reservation(
-                transfer_id=new_transfer_id(),
-                request_id=llm.request_id,
-                block_ids=list(self.blocks.block_ids(llm.request_id)),
-                num_tokens=llm.prompt_len,
-                expires_at_s=now + self.config.reservation_timeout_s,
-            )
-            tracked.reservation = reservation
-            with self._reservations_lock:
-                self._reservations[reservation.transfer_id] = reservation
-            self._set_state(tracked, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {len(reservation.block_ids)} blocks")
-            self._new_reservations.append(self.reservation(llm.request_id))
+            block_ids = list(self.blocks.block_ids(llm.request_id))
+            self.handover.reserve(tracked.handover, llm.request_id, block_ids, llm.prompt_len, now)
+            self._set_state(tracked, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {len(block_ids)} blocks")
 
     def drain_new_reservations(self) -> list[Reservation]:
         """Reservations made since the last call (the router hands their transfer ids to senders)."""
-        made, self._new_reservations = self._new_reservations, []
-        return [r for r in made if r is not None]
+        return self.handover.drain_new_reservations()
 
     def _expire(self, now: float, outputs: list[RequestOutput]) -> None:
         for tracked in list(self._requests.values()):
             if tracked.finished:
                 continue
-            reservation = tracked.reservation
-            if reservation is not None and now >= reservation.expires_at_s:
-                with reservation.lock:
-                    expired = reservation.live and not reservation.committed
-                    if expired:
-                        reservation.live = False
-                if expired:
-                    self._fail_transfer(
-                        tracked, outputs, ErrorCode.RESERVATION_EXPIRED, FailureReason.RESERVATION_EXPIRED,
-                        f"no KV committed within {self.config.reservation_timeout_s}s",
-                    )
-            elif (
-                tracked.lease_deadline_s is not None
-                and now >= tracked.lease_deadline_s
-                and tracked.pushes_in_flight == 0
-                and tracked.llm.state is S.DISAGG_CONTEXT_TRANS_IN_PROGRESS
-            ):
+            expiry = self.handover.expired(
+                tracked.handover, now, waiting_to_send=tracked.llm.state is S.DISAGG_CONTEXT_TRANS_IN_PROGRESS
+            )
+            if expiry is Expiry.RESERVATION:
+                self._fail_transfer(
+                    tracked, outputs, ErrorCode.RESERVATION_EXPIRED, FailureReason.RESERVATION_EXPIRED,
+                    f"no KV committed within {self.config.reservation_timeout_s}s",
+                )
+            elif expiry is Expiry.LEASE:
                 self._fail_transfer(
                     tracked, outputs, ErrorCode.LEASE_EXPIRED, None,
                     f"KV not taken within the sender lease of {self.config.sender_lease_s}s",
@@ -418,28 +392,11 @@ class Engine:
     def reservation(self, request_id: str) -> Reservation | None:
         """The reservation of a GENERATION_ONLY request, once its blocks are reserved."""
         tracked = self._requests.get(request_id)
-        if tracked is None or tracked.reservation is None or not tracked.reservation.live:
-            return None
-        r = tracked.reservation
-        return Reservation(r.request_id, r.transfer_id, len(r.block_ids), r.num_tokens, self.layout, r.expires_at_s)
+        return None if tracked is None else self.handover.reservation_of(tracked.handover)
 
-    def open_transfer(self, transfer_id: str, request_id: str, peer_layout: KvLayout) -> _TransferTarget:
+    def open_transfer(self, transfer_id: str, request_id: str, peer_layout: KvLayout) -> TransferTarget:
         """TransferSink.open: the reserved blocks behind `transfer_id` (any thread)."""
-        with self._reservations_lock:
-            reservation = self._reservations.get(transfer_id)
-        if reservation is None:
-            raise TransferRejected(FailureReason.UNKNOWN_TRANSFER, "no reservation has this transfer id")
-        if reservation.request_id != request_id:
-            raise TransferRejected(FailureReason.UNKNOWN_TRANSFER, "the transfer id belongs to another request")
-        problem = self.layout.incompatibility(peer_layout)
-        if problem is not None:
-            raise TransferRejected(FailureReason.INCOMPATIBLE, problem)
-        with reservation.lock:
-            if not reservation.live:
-                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
-            if reservation.committed:
-                raise TransferRejected(FailureReason.PROTOCOL_ERROR, "the transfer was already committed")
-        return _TransferTarget(self, reservation)
+        return self.handover.open(transfer_id, request_id, peer_layout, self.kv_cache.import_blocks)
 
     def import_kv(self, transfer_id: str, request_id: str, peer_layout: KvLayout, data: bytes | memoryview) -> None:
         """The in-process hand-over: write a whole request's KV (every layer and block) and commit."""
@@ -449,15 +406,13 @@ class Engine:
         self._drain_inbox(self._pending_outputs)
 
     def _on_commit(self, transfer_id: str, outputs: list[RequestOutput]) -> None:
-        with self._reservations_lock:
-            reservation = self._reservations.pop(transfer_id, None)
+        reservation = self.handover.commit(transfer_id)
         if reservation is None:
             return
         tracked = self._requests.get(reservation.request_id)
-        if tracked is None or tracked.finished or tracked.reservation is not reservation:
+        if tracked is None or tracked.finished or not self.handover.settle(tracked.handover, reservation):
             return
         llm = tracked.llm
-        tracked.reservation = None
         llm.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
         llm.context_current_position = llm.prompt_len
         llm.add_new_token(tracked.outputs[-1])  # the first token, from the prefill instance
@@ -467,15 +422,13 @@ class Engine:
         self._maybe_hold(tracked)
 
     def _on_transfer_failed(self, transfer_id: str, failure: TransferFailure, outputs: list[RequestOutput]) -> None:
-        with self._reservations_lock:
-            reservation = self._reservations.get(transfer_id)
+        reservation = self.handover.find(transfer_id)
         if reservation is None:
             return
         tracked = self._requests.get(reservation.request_id)
         if tracked is None or tracked.finished:
             return
-        with reservation.lock:
-            reservation.live = False
+        self.handover.invalidate(reservation)
         self._fail_transfer(tracked, outputs, ErrorCode.TRANSFER_FAILED, failure.reason, failure.detail)
 
     # --- hand-over: prefill side -------------------------------------------------------------------
@@ -495,14 +448,14 @@ class Engine:
         """Pin the request's blocks for a push from another thread: its lease cannot free them until
         the push's result comes back through `report_push`."""
         source = self.transfer_source(request_id)
-        self._requests[request_id].pushes_in_flight += 1
+        self.handover.pin(self._requests[request_id].handover)
         return source
 
     def report_push(self, request_id: str, failure: TransferFailure | None) -> None:
         """The result of a push (any thread). Acknowledged: the request is done here and its blocks
         are freed. Failed: the request keeps its blocks (still DISAGG_CONTEXT_TRANS_IN_PROGRESS,
         under its lease) so that the router may retry the transfer, or `release` it."""
-        self._post(("push", request_id, failure))
+        self.handover.post(PushReported(request_id, failure))
 
     def finish_handover(self, request_id: str, failure: TransferFailure | None) -> None:
         """Engine thread, in-process hand-over: acknowledged (None), or failed for good (frees)."""
@@ -523,23 +476,22 @@ class Engine:
         self._end_when_unpinned(tracked, end)
         return True
 
-    def _end_when_unpinned(self, tracked: _Tracked, end: Callable[[list[RequestOutput]], None]) -> None:
-        if tracked.pushes_in_flight > 0:
-            if tracked.deferred_end is None:
-                tracked.deferred_end = end
-                self._record(tracked, tracked.llm.state, "ending once the push in flight returns")
-            return
-        end(self._pending_outputs)
+    def _end_when_unpinned(self, tracked: _Tracked, end: EndRequest) -> None:
+        timing = self.handover.defer_end(tracked.handover, end)
+        if timing is EndTiming.DEFERRED:
+            self._record(tracked, tracked.llm.state, "ending once the push in flight returns")
+        elif timing is EndTiming.NOW:
+            end(self._pending_outputs)
 
     def _on_push(self, request_id: str, failure: TransferFailure | None, outputs: list[RequestOutput], pinned: bool) -> None:
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.finished:
             return
         if pinned:
-            tracked.pushes_in_flight = max(0, tracked.pushes_in_flight - 1)
-            if tracked.deferred_end is not None:
-                if tracked.pushes_in_flight == 0:
-                    tracked.deferred_end(outputs)
+            after = self.handover.unpin(tracked.handover)
+            if after is Unpinned.END:
+                tracked.handover.deferred_end(outputs)
+            if after is not Unpinned.REPORT:
                 return
         if tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return
@@ -554,10 +506,7 @@ class Engine:
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.finished:
             return False
-        reservation = tracked.reservation
-        if reservation is not None:
-            with reservation.lock:  # waits for a write in progress
-                reservation.live = False
+        self.handover.cancel(tracked.handover)  # waits for a write in progress
         error = RequestError(ErrorCode.ABORTED, detail)
 
         def end(outputs: list[RequestOutput]) -> None:
@@ -582,10 +531,7 @@ class Engine:
         handed_over: bool = False,
     ) -> None:
         llm = tracked.llm
-        if tracked.reservation is not None:
-            with self._reservations_lock:
-                self._reservations.pop(tracked.reservation.transfer_id, None)
-            tracked.reservation = None
+        self.handover.forget(tracked.handover)
         if self.blocks.has_sequence(llm.request_id):
             self.blocks.remove_sequence(llm.request_id)
         self._set_state(tracked, state, error.detail if error else "")
@@ -632,25 +578,15 @@ class Engine:
         events, self._events = self._events, []
         return events
 
-    def _post(self, item: tuple) -> None:
-        """Any thread: queue an item for the engine thread and wake it."""
-        self._inbox.put(item)
-        if self._on_inbox is not None:
-            self._on_inbox()
-
     def _drain_inbox(self, outputs: list[RequestOutput]) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            kind = item[0]
-            if kind == "commit":
-                self._on_commit(item[1], outputs)
-            elif kind == "transfer_failed":
-                self._on_transfer_failed(item[1], item[2], outputs)
-            elif kind == "push":
-                self._on_push(item[1], item[2], outputs, pinned=True)
+        for message in self.handover.inbox():
+            match message:
+                case KvCommitted():
+                    self._on_commit(message.transfer_id, outputs)
+                case KvWriteFailed():
+                    self._on_transfer_failed(message.transfer_id, message.failure, outputs)
+                case PushReported():
+                    self._on_push(message.request_id, message.failure, outputs, pinned=True)
 
     def kv_digest(self, request_id: str, num_tokens: int) -> str:
         """sha256 over the KV of token positions [0, num_tokens) of a request, every layer."""
@@ -703,36 +639,6 @@ class Engine:
             prefix_events=tuple(self.blocks.drain_events()),
             num_finished=self.num_finished,
         )
-
-
-class _TransferTarget:
-    """TransferTarget over a reservation: writes go straight into the reserved cache blocks."""
-
-    def __init__(self, engine: Engine, reservation: _Reservation) -> None:
-        self._engine = engine
-        self._reservation = reservation
-        self.num_blocks = len(reservation.block_ids)
-        self.layout = engine.layout
-
-    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
-        reservation = self._reservation
-        if not (0 <= block_start < block_end <= self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers):
-            raise TransferRejected(FailureReason.PROTOCOL_ERROR, "range outside the reservation")
-        with reservation.lock:
-            if not reservation.live or reservation.committed:
-                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
-            self._engine.kv_cache.import_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, data)
-
-    def commit(self) -> None:
-        reservation = self._reservation
-        with reservation.lock:
-            if not reservation.live:
-                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
-            reservation.committed = True
-        self._engine._post(("commit", reservation.transfer_id))
-
-    def fail(self, failure: TransferFailure) -> None:
-        self._engine._post(("transfer_failed", self._reservation.transfer_id, failure))
 
 
 class _TransferSource:

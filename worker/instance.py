@@ -1,13 +1,15 @@
 """One serving instance as a process-level object: the engine, its step loop thread, its KV transfer
 server (receiver) and sender, and a mailbox the router polls.
 
-This is the facade a Ray actor wraps (cluster/launch.py does `ray.remote(Instance)`); it is a plain
-class, so tests drive it in-process too. Every method takes and returns plain values or msgpack
-bytes (worker/instance_protocol.py): nothing pickled crosses it by design.
+This is the facade a Ray actor wraps (cluster/deploy/launch.py does `ray.remote(Instance)`); it is a
+plain class, so tests drive it in-process too. The router reaches it through one entry point,
+`handle`: an encoded Command in, an encoded Reply out (worker/protocol.py). Nothing pickled crosses
+it, and no actor method name is part of the protocol.
 
-Threads: the loop thread owns the engine. Calls from the router (submit, abort, push, release,
-poll) arrive on other threads; they post commands the loop runs between steps, and `poll` waits on
-the mailbox. Pushes run on a small thread pool and report back through the engine's inbox.
+Threads: the loop thread owns the engine. Commands from the router arrive on other threads; those
+that touch the engine become typed loop commands that the loop runs between steps, and a Poll waits
+on the mailbox. Pushes run on a small thread pool and report back through the engine's hand-over
+inbox.
 """
 
 from __future__ import annotations
@@ -23,21 +25,39 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
-from worker.engine_types import EngineConfig, EngineInputError, InstanceRole
-from worker.instance_protocol import (
-    InstanceInfo,
-    PollBatch,
-    PushResult,
-    ReservationNotice,
-    decode_submit,
-    encode_info,
-    encode_poll,
-)
+from worker.engine_types import EngineConfig
 from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransportSecurity
 from worker.kv_transfer.failures import FailureReason, TransferFailure
 from worker.kv_transfer.faults import FaultInjector
+from worker.protocol import (
+    Abort,
+    Ack,
+    Command,
+    Decoder,
+    Digest,
+    Drain,
+    Drained,
+    Encoder,
+    EngineInputError,
+    GetInfo,
+    InstanceInfo,
+    InstanceRole,
+    KvDigest,
+    Ping,
+    Poll,
+    PollBatch,
+    Pong,
+    ProtocolError,
+    Push,
+    PushResult,
+    Rejected,
+    Release,
+    Reply,
+    ReservationNotice,
+    Submit,
+    SubmitRequest,
+    Unavailable,
+)
 from worker.sampling import InvalidSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,7 +71,7 @@ class InstanceError(RuntimeError):
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """How to build one instance (plain data: it travels to the actor as msgpack)."""
+    """How to build one instance (plain data: it travels to the actor in worker/protocol.py's codec)."""
 
     instance_id: str
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -72,35 +92,11 @@ class InstanceSpec:
         return self.engine.role
 
     def to_bytes(self) -> bytes:
-        engine = {name: getattr(self.engine, name) for name in self.engine.__dataclass_fields__}
-        for name, value in list(engine.items()):
-            if hasattr(value, "value"):
-                engine[name] = value.value
-        return msgpack.packb(
-            {
-                "instance_id": self.instance_id,
-                "engine": engine,
-                "model": self.model,
-                "dtype": self.dtype,
-                "device": self.device,
-                "transfer_host": self.transfer_host,
-                "transfer_port": self.transfer_port,
-                "cluster_token": self.cluster_token,
-                "torch_threads": self.torch_threads,
-                "faults": dict(self.faults) if self.faults else None,
-                "push_threads": self.push_threads,
-                "sender": dict(self.sender) if self.sender else None,
-                "receiver": dict(self.receiver) if self.receiver else None,
-            },
-            use_bin_type=True,
-        )
+        return Encoder().encode(self)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> InstanceSpec:
-        raw = msgpack.unpackb(data, raw=False)
-        engine = dict(raw.pop("engine"))
-        config = EngineConfig().with_overrides(**engine)
-        return cls(engine=config, **raw)
+        return Decoder(InstanceSpec).decode(data)
 
 
 def _bind_host(host: str) -> str:
@@ -137,6 +133,44 @@ class _EngineSink:
 
     def open(self, transfer_id: str, request_id: str, peer_layout):
         return self._engine.open_transfer(transfer_id, request_id, peer_layout)
+
+
+# --- what the loop thread runs: typed commands, dispatched by type -----------------------------------
+# Abort, Push and Release (worker/protocol.py) go to the loop as they came; the rest carry a future.
+@dataclass(frozen=True)
+class _Admit:
+    request: SubmitRequest
+    done: concurrent.futures.Future  # None, or the EngineInputError / InvalidSamplingParams refusing it
+
+
+@dataclass(frozen=True)
+class _ReadLoad:
+    box: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _CountRequests:
+    box: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class _ReadDigest:
+    request_id: str
+    num_tokens: int
+    box: concurrent.futures.Future
+
+
+_LoopCommand = _Admit | Abort | Push | Release | _ReadLoad | _CountRequests | _ReadDigest
+
+
+def _refused_input(error: BaseException) -> EngineInputError | InvalidSamplingParams | None:
+    """The field check behind a decoding error (msgspec chains a __post_init__ error as the cause)."""
+    cause = error.__cause__
+    while cause is not None:
+        if isinstance(cause, (EngineInputError, InvalidSamplingParams)):
+            return cause
+        cause = cause.__cause__
+    return None
 
 
 class Instance:
@@ -205,13 +239,14 @@ class Instance:
             device=str(model.device),
             node_id=_node_id(),
         )
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._encoder = Encoder()
+        self._decoder: Decoder[Command] = Decoder(Command)
+        self._commands: queue.SimpleQueue[_LoopCommand] = queue.SimpleQueue()
         self._mailbox = threading.Condition()
         self._outputs: list = []
         self._events: list = []
         self._reservations: list = []
         self._pushes: list = []
-        self._rejected: list = []
         self._sequence = 0
         self._stopping = False
         self._draining = False
@@ -221,42 +256,62 @@ class Instance:
         logger.info("instance %s (%s) ready, transfer address %r", spec.instance_id, role.name, transfer_address)
 
     # --- calls from the router (any thread) ---------------------------------------------------------
-    def get_info(self) -> bytes:
-        return encode_info(self.info)
+    def handle(self, payload: bytes) -> bytes:
+        """The one entry point: an encoded Command in, an encoded Reply out. A payload that does not
+        decode raises ProtocolError (another protocol version: ProtocolVersionMismatch), except a
+        submit whose request fails its field checks, which is Rejected like any refused input."""
+        try:
+            command = self._decoder.decode(payload)
+        except ProtocolError as error:
+            refused = _refused_input(error)
+            if refused is None:
+                raise
+            return self._encoder.encode(Rejected(refused.field, refused.message))
+        return self._encoder.encode(self._reply(command))
 
-    def ping(self) -> str:
+    def _reply(self, command: Command) -> Reply:
+        try:
+            match command:
+                case Submit():
+                    self._submit(command.request)
+                    return Ack()
+                case Abort() | Push() | Release():
+                    self._command(command)
+                    return Ack()
+                case Poll():
+                    return self._poll(command.timeout_s)
+                case GetInfo():
+                    return self.info
+                case Ping():
+                    return Pong(self._ping())
+                case Drain():
+                    return Drained(self._drain(command.timeout_s))
+                case KvDigest():
+                    return Digest(self._kv_digest(command.request_id, command.num_tokens))
+        except (EngineInputError, InvalidSamplingParams) as error:
+            return Rejected(error.field, error.message)
+        except InstanceError as error:
+            return Unavailable(str(error))
+        raise ProtocolError(f"no handler for {type(command).__name__}")
+
+    def _ping(self) -> str:
         """Cheap liveness probe: the incarnation (changes when the process restarts)."""
         if self._loop_error is not None:
             raise InstanceError(f"engine loop died: {self._loop_error}")
         return self.incarnation
 
-    def submit(self, payload: bytes) -> None:
+    def _submit(self, request: SubmitRequest) -> None:
         """Queue a request; raises EngineInputError / InvalidSamplingParams (naming the field) if
         the engine refuses it."""
         if self._stopping or self._draining:
             raise InstanceError(f"instance {self.spec.instance_id} is not accepting requests (draining)")
-        submit = decode_submit(payload)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._command(("submit", submit, done))
+        self._command(_Admit(request, done))
         error = done.result(timeout=SUBMIT_TIMEOUT_S)
         if error is not None:
             raise error
 
-    def abort(self, request_id: str, detail: str = "aborted") -> None:
-        self._command(("abort", request_id, detail))
-
-    def push(
-        self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str | None = None
-    ) -> None:
-        """Start pushing a CONTEXT_ONLY request's KV to a generation instance's reservation.
-        `target_request_id` is the request's id on the receiver (default: the same id)."""
-        self._command(("push", request_id, target, transfer_id, float(deadline_s), target_request_id or request_id))
-
-    def release(self, request_id: str, reason: str, detail: str = "") -> None:
-        """Give up a CONTEXT_ONLY request's hand-over: DISAGG_TRANS_ERROR, blocks freed."""
-        self._command(("release", request_id, FailureReason(reason), detail))
-
-    def poll(self, timeout_s: float) -> bytes:
+    def _poll(self, timeout_s: float) -> PollBatch:
         """Everything reported since the last poll; waits up to timeout_s for something to report."""
         deadline = time.monotonic() + max(0.0, min(float(timeout_s), 60.0))
         with self._mailbox:
@@ -269,49 +324,45 @@ class Instance:
             events, self._events = self._events, []
             reservations, self._reservations = self._reservations, []
             pushes, self._pushes = self._pushes, []
-            rejected, self._rejected = self._rejected, []
             self._sequence += 1
             sequence = self._sequence
         if self._loop_error is not None:
             raise InstanceError(f"engine loop died: {self._loop_error}")
         load_box: concurrent.futures.Future = concurrent.futures.Future()
-        self._command(("load", load_box))
+        self._command(_ReadLoad(load_box))
         try:
             load = load_box.result(timeout=5.0)
         except concurrent.futures.TimeoutError:
             load = None
-        return encode_poll(
-            PollBatch(
-                incarnation=self.incarnation,
-                sequence=sequence,
-                outputs=tuple(outputs),
-                events=tuple(events),
-                reservations=tuple(reservations),
-                push_results=tuple(pushes),
-                load=load,
-                rejected=tuple(rejected),
-            )
+        return PollBatch(
+            incarnation=self.incarnation,
+            sequence=sequence,
+            outputs=tuple(outputs),
+            events=tuple(events),
+            reservations=tuple(reservations),
+            push_results=tuple(pushes),
+            load=load,
         )
 
-    def kv_digest(self, request_id: str, num_tokens: int) -> str:
+    def _kv_digest(self, request_id: str, num_tokens: int) -> str:
         """sha256 of the request's KV for token positions [0, num_tokens), every layer (for tests and
         audits: compare what a sender had with what a receiver got)."""
         box: concurrent.futures.Future = concurrent.futures.Future()
-        self._command(("digest", request_id, num_tokens, box))
+        self._command(_ReadDigest(request_id, num_tokens, box))
         return box.result(timeout=30.0)
 
-    def drain(self, timeout_s: float = 60.0) -> int:
+    def _drain(self, timeout_s: float = 60.0) -> int:
         """Stop taking requests, let the admitted ones finish; returns how many were left unfinished."""
         self._draining = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             box: concurrent.futures.Future = concurrent.futures.Future()
-            self._command(("count", box))
+            self._command(_CountRequests(box))
             if box.result(timeout=10.0) == 0:
                 return 0
             time.sleep(0.05)
         box = concurrent.futures.Future()
-        self._command(("count", box))
+        self._command(_CountRequests(box))
         return box.result(timeout=10.0)
 
     def shutdown(self) -> None:
@@ -327,14 +378,14 @@ class Instance:
             self.sender.close()
 
     # --- the loop thread ------------------------------------------------------------------------------
-    def _command(self, command: tuple) -> None:
+    def _command(self, command: _LoopCommand) -> None:
         if self._stopping:
             raise InstanceError(f"instance {self.spec.instance_id} is stopped")
         self._commands.put(command)
         self._wake.set()
 
     def _has_mail(self) -> bool:
-        return bool(self._outputs or self._events or self._reservations or self._pushes or self._rejected)
+        return bool(self._outputs or self._events or self._reservations or self._pushes)
 
     def _loop(self) -> None:
         try:
@@ -377,36 +428,36 @@ class Instance:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            kind = command[0]
-            if kind == "submit":
-                _, submit, done = command
-                try:
-                    self.engine.add_request(submit)
-                except (EngineInputError, InvalidSamplingParams) as error:
-                    done.set_result(error)
-                else:
-                    done.set_result(None)
-            elif kind == "abort":
-                self.engine.abort(command[1], command[2])
-            elif kind == "push":
-                self._start_push(*command[1:])
-            elif kind == "release":
-                _, request_id, reason, detail = command
-                self.engine.release(request_id, TransferFailure(reason, detail))
-            elif kind == "load":
-                command[1].set_result(self.engine.load())
-            elif kind == "count":
-                command[1].set_result(self.engine.num_requests)
-            elif kind == "digest":
-                _, request_id, num_tokens, box = command
-                try:
-                    box.set_result(self.engine.kv_digest(request_id, num_tokens))
-                except Exception as error:  # noqa: BLE001 - handed back to the caller
-                    box.set_exception(error)
+            match command:
+                case _Admit():
+                    try:
+                        self.engine.add_request(command.request)
+                    except (EngineInputError, InvalidSamplingParams) as error:
+                        command.done.set_result(error)
+                    else:
+                        command.done.set_result(None)
+                case Abort():
+                    self.engine.abort(command.request_id, command.detail)
+                case Push():
+                    self._start_push(command)
+                case Release():
+                    self.engine.release(command.request_id, TransferFailure(command.reason, command.detail))
+                case _ReadLoad():
+                    command.box.set_result(self.engine.load())
+                case _CountRequests():
+                    command.box.set_result(self.engine.num_requests)
+                case _ReadDigest():
+                    try:
+                        command.box.set_result(self.engine.kv_digest(command.request_id, command.num_tokens))
+                    except Exception as error:  # noqa: BLE001 - handed back to the caller
+                        command.box.set_exception(error)
             self._publish([])
 
-    def _start_push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
+    def _start_push(self, push: Push) -> None:
         from worker.engine import EngineError
+
+        request_id, target, transfer_id, deadline_s = push.request_id, push.target, push.transfer_id, push.deadline_s
+        target_request_id = push.target_request_id or request_id
 
         if self.sender is None:
             self._report_push(PushResult(request_id, transfer_id, False, FailureReason.INTERNAL.value, "this instance sends no KV", 0, 0.0))

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from worker.engine import Engine
-from worker.engine_types import EngineConfig, EngineInputError, RequestOutput, SubmitRequest
+from worker.engine_types import EngineConfig
+from worker.protocol import EngineInputError, RequestOutput, SubmitRequest
 from worker.sampler import SampleLogprobs
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason

@@ -1,7 +1,9 @@
 """Per-request sampling parameters: vLLM's names, defaults and validation ranges.
 
 No torch here: the cluster front end validates requests with this module before anything reaches a
-worker, and a `SamplingParams` crosses the wire as the plain dict of `to_dict()` (msgpack-able).
+worker, and a `SamplingParams` crosses to an instance as a typed field of worker/protocol.py's
+SubmitRequest (the instance's decoder runs `__post_init__` again). `to_dict` / `from_dict` are a
+plain-dict view for JSON and other tools.
 
 Notes for users coming from vLLM:
 - `top_k`: -1 (the default) and 0 both mean "off"; any value >= 1 keeps the k most likely tokens

@@ -15,7 +15,7 @@ from typing import Any
 
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.router.instance_client import RayInstanceClient
-from worker.engine_types import InstanceRole
+from worker.protocol import Encoder, InstanceRole, Ping
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Deployment:
                 scheduling_strategy=strategy,
             ).remote(spec.to_bytes())
             self.actors[item.instance_id] = actor
-            pending[item.instance_id] = actor.ping.remote()
+            pending[item.instance_id] = actor.handle.remote(Encoder().encode(Ping()))
         try:
             ready, not_ready = ray.wait(list(pending.values()), num_returns=len(pending), timeout=self.config.actor_start_timeout_s)
             if not_ready:

@@ -32,8 +32,8 @@ from cluster.router.api import (
     Usage,
 )
 from duet_wire.v1 import client_pb2 as pb
-from worker.engine_types import InstanceRole
 from worker.kv_transfer.ids import MAX_CLIENT_REQUEST_ID_CHARS, request_id_problem
+from worker.protocol import InstanceRole
 from worker.sampler_types import SampleLogprobs
 from worker.sampling import InvalidSamplingParams, SamplingParams
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cluster.router.api import FinalEvent, TokenEvent
 from cluster.router.config import RecoveryAction
-from worker.engine_types import RequestType
+from worker.protocol import RequestType
 from worker.sampling import SamplingParams
 
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from worker.engine_types import InstanceRole
+from worker.protocol import InstanceRole
 from worker.sampler_types import SampleLogprobs
 from worker.sampling import SamplingParams
 

@@ -61,8 +61,8 @@ from cluster.router.observe import RouterMetrics, RouterObserver, TimelineLog
 from cluster.router.state import GlobalState
 from cluster.shutdown import STOP_TIMEOUT_S, cancel_and_wait
 from scheduler.block_hash import block_hash_chain
-from worker.engine_types import SubmitRequest
-from worker.instance_protocol import InstanceInfo, PollBatch, encode_submit
+from worker.kv_transfer.failures import FailureReason
+from worker.protocol import InstanceInfo, PollBatch, SubmitRequest
 from worker.sampling import InvalidSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ class Router:
                 output_token_ids=action.output_token_ids,
                 priority=action.priority,
             )
-            await member.client.submit(encode_submit(submit))
+            await member.client.submit(submit)
         except InstanceRejected as error:
             rejected = (error.field, error.message)
         except InstanceUnavailable as error:
@@ -434,7 +434,7 @@ class Router:
             return
         try:
             if action.release:
-                await member.client.release(action.engine_id, "CANCELLED", action.detail)
+                await member.client.release(action.engine_id, FailureReason.CANCELLED, action.detail)
             await member.client.abort(action.engine_id, action.detail)
         except InstanceUnavailable as error:
             member.to_abort.add(action.engine_id)

@@ -13,7 +13,6 @@ change arrives, not per decision.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 from collections.abc import Sequence
@@ -24,9 +23,8 @@ from cluster.router.config import PlacementConfig
 from cluster.router.instance_client import InstanceClient
 from cluster.router.placement import Candidate, InstanceHealth, PlacementPlan, PlacementRequest, Placer
 from cluster.router.prefix_index import PrefixIndex
-from cluster.router.snapshot import InstanceLoad, PrefixEvent, PrefixEventKind
-from worker.engine_types import EngineLoad, InstanceRole
-from worker.instance_protocol import InstanceInfo, PollBatch
+from cluster.router.snapshot import InstanceSnapshot
+from worker.protocol import EngineLoad, InstanceInfo, InstanceRole, PollBatch
 
 logger = logging.getLogger(__name__)
 
@@ -132,29 +130,13 @@ class Fleet:
         member.last_report_wall_s = wall_s
         member.poll_sequence = batch.sequence
         member.candidate = None
-        self.prefix.apply(self.load_snapshot(member, sequence=batch.sequence, prefix_events=_grouped(load), reset=reset))
+        self.prefix.apply(InstanceSnapshot(member.instance_id, load, sequence=batch.sequence, reset=reset))
 
-    def load_snapshot(
-        self, member: Member, *, sequence: int | None = None, prefix_events: tuple[PrefixEvent, ...] = (), reset: bool = False
-    ) -> InstanceLoad:
-        load = member.load
+    def load_snapshot(self, member: Member) -> InstanceSnapshot:
+        """What placement reads of an instance: its last load (before any, an idle one)."""
         info = member.info
-        return InstanceLoad(
-            instance_id=info.instance_id,
-            role=info.role,
-            sequence=max(member.poll_sequence if sequence is None else sequence, 0),
-            timestamp_s=member.last_report_wall_s,
-            total_blocks=load.total_blocks if load else info.num_blocks,
-            free_blocks=load.free_blocks if load else info.num_blocks,
-            tokens_per_block=info.layout.tokens_per_block,
-            queued_requests=load.queued_requests if load else 0,
-            running_requests=load.running_requests if load else 0,
-            queued_prompt_tokens=load.queued_prompt_tokens if load else 0,
-            tokens_in_flight=load.tokens_in_flight if load else 0,
-            num_paused=load.num_paused if load else 0,
-            prefix_events=prefix_events,
-            reset=reset,
-        )
+        load = member.load or EngineLoad(info.role, info.num_blocks, info.num_blocks, info.layout.tokens_per_block)
+        return InstanceSnapshot(info.instance_id, load, sequence=max(member.poll_sequence, 0))
 
     # --- placement (FleetView) ------------------------------------------------------------------------
     def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
@@ -164,7 +146,7 @@ class Fleet:
         candidates = [m.candidate or self._refresh(m) for m in self.members.values()]
         if not exclude:
             return candidates
-        return [Candidate(c.load, InstanceHealth.UNHEALTHY) if c.instance_id in exclude else c for c in candidates]
+        return [Candidate(c.snapshot, InstanceHealth.UNHEALTHY) if c.instance_id in exclude else c for c in candidates]
 
     def _refresh(self, member: Member) -> Candidate:
         healthy = member.health is InstanceHealthView.HEALTHY
@@ -184,11 +166,3 @@ class Fleet:
     def role(self, instance_id: str) -> InstanceRole:
         return self.members[instance_id].info.role
 
-
-def _grouped(load: EngineLoad) -> tuple[PrefixEvent, ...]:
-    """The instance's prefix events as the index takes them: runs of one kind, in report order."""
-    events = []
-    for kind, group in itertools.groupby(load.prefix_events, key=lambda e: e.kind.value):
-        hashes = tuple(e.block_hash for e in group)
-        events.append(PrefixEvent(PrefixEventKind.STORED if kind == "stored" else PrefixEventKind.REMOVED, hashes))
-    return tuple(events)

@@ -64,9 +64,15 @@ from cluster.router.state import (
     Route,
     global_states_for_local,
 )
-from cluster.router.state import RequestType as LocalRequestType
-from worker.engine_types import EVENT_PREFILL_STARTED, ErrorCode, InstanceRole, RequestOutput
-from worker.instance_protocol import PushResult, ReservationNotice
+from worker.protocol import (
+    EVENT_PREFILL_STARTED,
+    ErrorCode,
+    InstanceRole,
+    PushResult,
+    RequestOutput,
+    ReservationNotice,
+)
+from worker.protocol import RequestType as LocalRequestType
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
 

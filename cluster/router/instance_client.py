@@ -1,24 +1,58 @@
 """How the router talks to one instance: an async interface, over a Ray actor or in-process.
 
-Every call has a deadline. Failures come back as two typed errors, so that the router can keep
-client errors out of instance health (peers.md: 4xx answers must never trip a breaker):
+Every call is one typed Command (worker/protocol.py), encoded, sent to the instance's single entry
+point `Instance.handle`, and answered by one encoded Reply. One entry point rather than one actor
+method per command: the command's type says what to do, so no method name travels as a string, the
+version check and the size limits apply to every call in one place, and the Ray actor and the
+in-process instance differ only in how bytes reach `handle` (`_send`).
+
+Every call has a deadline (CONTROL_TIMEOUT_S; CALL_TIMEOUT_S for submit and get_info; a poll or
+drain gets its own wait plus CONTROL_TIMEOUT_S). Failures come back as two typed errors, so that the
+router can keep client errors out of instance health (a refused input must never trip a breaker):
 
 - `InstanceRejected`: the instance refused the request's input (a client error; names the field).
-- `InstanceUnavailable`: the instance is dead, restarting, draining or did not answer in time.
+- `InstanceUnavailable`: the instance is dead, restarting, draining, did not answer in time, or
+  speaks another protocol version (it runs other code).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
-from worker.instance_protocol import InstanceInfo, PollBatch, decode_info, decode_poll
+from worker.kv_transfer.failures import FailureReason
+from worker.protocol import (
+    Abort,
+    Ack,
+    Command,
+    Decoder,
+    Drain,
+    Drained,
+    Encoder,
+    GetInfo,
+    InstanceInfo,
+    Ping,
+    Poll,
+    PollBatch,
+    Pong,
+    ProtocolError,
+    ProtocolVersionMismatch,
+    Push,
+    Rejected,
+    Release,
+    Reply,
+    Submit,
+    SubmitRequest,
+    Unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 CONTROL_TIMEOUT_S = 10.0
+
+R = TypeVar("R")
 
 
 class InstanceUnavailable(Exception):
@@ -41,7 +75,7 @@ class InstanceClient(Protocol):
 
     async def ping(self) -> str: ...
 
-    async def submit(self, payload: bytes) -> None: ...
+    async def submit(self, request: SubmitRequest) -> None: ...
 
     async def abort(self, request_id: str, detail: str) -> None: ...
 
@@ -49,109 +83,102 @@ class InstanceClient(Protocol):
         self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str
     ) -> None: ...
 
-    async def release(self, request_id: str, reason: str, detail: str) -> None: ...
+    async def release(self, request_id: str, reason: FailureReason, detail: str) -> None: ...
 
     async def poll(self, timeout_s: float) -> PollBatch: ...
 
     async def drain(self, timeout_s: float) -> int: ...
 
 
-def _rejection(error: BaseException) -> InstanceRejected | None:
-    from worker.engine_types import EngineInputError
-    from worker.sampling import InvalidSamplingParams
-
-    cause = error
-    for _ in range(4):  # Ray wraps the actor's exception (RayTaskError -> cause)
-        if isinstance(cause, (EngineInputError, InvalidSamplingParams)):
-            return InstanceRejected(cause.field, cause.message)
-        nested = getattr(cause, "cause", None) or cause.__cause__
-        if nested is None or nested is cause:
-            break
-        cause = nested
-    return None
-
-
 class _InstanceCalls:
-    """The InstanceClient methods, each one deadline-bounded `_call` of the instance's method of
-    the same name; a subclass says how a call reaches the instance."""
+    """The InstanceClient methods, each one deadline-bounded `_call` of a typed command; a subclass
+    says how the encoded command reaches the instance (`_send`)."""
 
     instance_id: str
 
-    async def _call(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+    def __init__(self) -> None:
+        self._encoder = Encoder()
+        self._decoder: Decoder[Reply] = Decoder(Reply)
+
+    async def _send(self, payload: bytes, name: str, timeout_s: float) -> bytes:
         raise NotImplementedError
 
+    async def _call(self, command: Command, expected: type[R], timeout_s: float = CONTROL_TIMEOUT_S) -> R:
+        name = type(command).__name__
+        try:
+            reply = self._decoder.decode(await self._send(self._encoder.encode(command), name, timeout_s))
+        except ProtocolVersionMismatch as error:
+            raise InstanceUnavailable(f"{self.instance_id}: {error}") from None
+        match reply:
+            case Rejected():
+                raise InstanceRejected(reply.field, reply.message)
+            case Unavailable():
+                raise InstanceUnavailable(f"{self.instance_id}: {reply.reason}")
+        if not isinstance(reply, expected):
+            raise ProtocolError(f"{self.instance_id} answered {name} with {type(reply).__name__}, not {expected.__name__}")
+        return reply
+
     async def get_info(self) -> InstanceInfo:
-        return decode_info(await self._call("get_info", timeout_s=CALL_TIMEOUT_S))
+        return await self._call(GetInfo(), InstanceInfo, timeout_s=CALL_TIMEOUT_S)
 
     async def ping(self) -> str:
-        return await self._call("ping")
+        return (await self._call(Ping(), Pong)).incarnation
 
-    async def submit(self, payload: bytes) -> None:
-        await self._call("submit", payload, timeout_s=CALL_TIMEOUT_S)
+    async def submit(self, request: SubmitRequest) -> None:
+        await self._call(Submit(request), Ack, timeout_s=CALL_TIMEOUT_S)
 
     async def abort(self, request_id: str, detail: str) -> None:
-        await self._call("abort", request_id, detail)
+        await self._call(Abort(request_id, detail), Ack)
 
     async def push(
         self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str
     ) -> None:
-        await self._call("push", request_id, target, transfer_id, deadline_s, target_request_id)
+        await self._call(Push(request_id, target, transfer_id, float(deadline_s), target_request_id), Ack)
 
-    async def release(self, request_id: str, reason: str, detail: str) -> None:
-        await self._call("release", request_id, reason, detail)
+    async def release(self, request_id: str, reason: FailureReason, detail: str) -> None:
+        await self._call(Release(request_id, reason, detail), Ack)
 
     async def poll(self, timeout_s: float) -> PollBatch:
-        return decode_poll(await self._call("poll", timeout_s, timeout_s=timeout_s + CONTROL_TIMEOUT_S))
+        return await self._call(Poll(float(timeout_s)), PollBatch, timeout_s=timeout_s + CONTROL_TIMEOUT_S)
 
     async def drain(self, timeout_s: float) -> int:
-        return await self._call("drain", timeout_s, timeout_s=timeout_s + CONTROL_TIMEOUT_S)
+        return (await self._call(Drain(float(timeout_s)), Drained, timeout_s=timeout_s + CONTROL_TIMEOUT_S)).unfinished
 
 
 class RayInstanceClient(_InstanceCalls):
     """An instance hosted by a Ray actor (worker.instance.Instance wrapped with ray.remote)."""
 
     def __init__(self, instance_id: str, actor: Any) -> None:
+        super().__init__()
         self.instance_id = instance_id
         self.actor = actor
 
-    async def _call(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
+    async def _send(self, payload: bytes, name: str, timeout_s: float) -> bytes:
         import ray
 
         try:
-            ref = getattr(self.actor, method).remote(*args)
-            return await asyncio.wait_for(ref, timeout=timeout_s)
+            return await asyncio.wait_for(self.actor.handle.remote(payload), timeout=timeout_s)
         except asyncio.TimeoutError:
-            raise InstanceUnavailable(f"{self.instance_id}: {method} did not answer within {timeout_s:.1f}s") from None
+            raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
             raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}") from None
         except ray.exceptions.RayTaskError as error:
-            rejection = _rejection(error)
-            if rejection is not None:
-                raise rejection from None
-            raise InstanceUnavailable(f"{self.instance_id}: {method} failed: {error}") from None
+            raise InstanceUnavailable(f"{self.instance_id}: {name} failed: {error}") from None
 
 
 class LocalInstanceClient(_InstanceCalls):
     """An instance in this process (tests, single-process tools): calls run on worker threads."""
 
     def __init__(self, instance: Any) -> None:
+        super().__init__()
         self.instance = instance
         self.instance_id = instance.spec.instance_id
         self.killed = False
 
-    async def _call(self, method: str, *args: Any, timeout_s: float = CONTROL_TIMEOUT_S) -> Any:
-        from worker.instance import InstanceError
-
+    async def _send(self, payload: bytes, name: str, timeout_s: float) -> bytes:
         if self.killed:
             raise InstanceUnavailable(f"{self.instance_id}: killed")
         try:
-            return await asyncio.wait_for(asyncio.to_thread(getattr(self.instance, method), *args), timeout=timeout_s)
+            return await asyncio.wait_for(asyncio.to_thread(self.instance.handle, payload), timeout=timeout_s)
         except asyncio.TimeoutError:
-            raise InstanceUnavailable(f"{self.instance_id}: {method} did not answer within {timeout_s:.1f}s") from None
-        except InstanceError as error:
-            raise InstanceUnavailable(f"{self.instance_id}: {error}") from None
-        except Exception as error:
-            rejection = _rejection(error)
-            if rejection is not None:
-                raise rejection from None
-            raise
+            raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s") from None

@@ -41,7 +41,7 @@ from cluster.router.config import RecoveryAction
 if TYPE_CHECKING:
     from cluster.router.fleet import Member
     from cluster.router.flow import RequestFlow
-    from worker.instance_protocol import PushResult
+    from worker.protocol import PushResult
 
 logger = logging.getLogger(__name__)
 

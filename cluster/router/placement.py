@@ -1,5 +1,6 @@
 """Placement: which instance runs each hop of a request, as pure functions of the request, the
-instances' load snapshots and health, and the prefix overlap (cluster/prefix_index.py).
+instances' load snapshots (cluster/router/snapshot.py) and health, and the prefix overlap
+(cluster/router/prefix_index.py).
 
 Policies (each a small class with its params from cluster/config.py):
 
@@ -50,8 +51,9 @@ from cluster.router.config import (
     PolicyParams,
     RoundRobinParams,
 )
-from cluster.router.snapshot import MAX_BLOCK_HASH, InstanceLoad, InstanceRole
+from cluster.router.snapshot import InstanceSnapshot
 from cluster.router.state import Route
+from worker.protocol import MAX_BLOCK_HASH, EngineLoad, InstanceRole
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +87,16 @@ class InstanceHealth(Enum):
 class Candidate:
     """An instance as placement sees it: its latest snapshot and its health."""
 
-    load: InstanceLoad
+    snapshot: InstanceSnapshot
     health: InstanceHealth = InstanceHealth.HEALTHY
 
     @property
     def instance_id(self) -> str:
-        return self.load.instance_id
+        return self.snapshot.instance_id
+
+    @property
+    def load(self) -> EngineLoad:
+        return self.snapshot.load
 
 
 @dataclass(frozen=True)
@@ -209,7 +215,7 @@ class LeastLoaded:
         pass
 
     @staticmethod
-    def freeness(load: InstanceLoad) -> float:
+    def freeness(load: EngineLoad) -> float:
         return (load.free_blocks - load.queued_prompt_blocks) / max(1, load.running_requests)
 
     def choose(
@@ -256,7 +262,7 @@ class KvAware:
             raise InvalidPlacementInput("kv_aware with temperature > 0 needs an injected random.Random")
         self._rng = rng
 
-    def cost(self, request: PlacementRequest, load: InstanceLoad, cached: int) -> KvCost:
+    def cost(self, request: PlacementRequest, load: EngineLoad, cached: int) -> KvCost:
         tokens_per_block = load.tokens_per_block
         prompt_blocks = _blocks(request.prompt_tokens, tokens_per_block)
         uncached = max(prompt_blocks - cached, 0)
@@ -336,10 +342,10 @@ class ConditionalDisagg:
         reused_tokens = min(cached * tokens_per_block, request.prompt_tokens - 1)
         return (request.prompt_tokens - reused_tokens) / request.prompt_tokens
 
-    def decide(self, request: PlacementRequest, generation: InstanceLoad, cached: int) -> DisaggDecision:
+    def decide(self, request: PlacementRequest, generation: InstanceSnapshot, cached: int) -> DisaggDecision:
         """Whether `request`, whose generation hop goes to `generation` (holding `cached` of its
         leading blocks), also takes a prefill hop."""
-        fraction = self.uncached_fraction(request, generation.tokens_per_block, cached)
+        fraction = self.uncached_fraction(request, generation.load.tokens_per_block, cached)
         if self._mode is DisaggMode.ALWAYS:
             return DisaggDecision(True, DisaggReason.ALWAYS, fraction, "disaggregation mode is 'always'")
         if self._mode is DisaggMode.NEVER:
@@ -415,9 +421,9 @@ class Placer:
                 f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
             )
         generation = self._generation_policy.choose(request, generation_pool, overlap_blocks)
-        generation_load = next(c.load for c in generation_pool if c.instance_id == generation.instance_id)
+        generation_snapshot = next(c.snapshot for c in generation_pool if c.instance_id == generation.instance_id)
         decision = self._disagg.decide(
-            request, generation_load, cached_blocks(request, generation.instance_id, overlap_blocks)
+            request, generation_snapshot, cached_blocks(request, generation.instance_id, overlap_blocks)
         )
         if not decision.disaggregate:
             return PlacementPlan(request.request_id, Route.COLOCATED, generation, generation, decision)

@@ -28,7 +28,8 @@ import logging
 from collections.abc import Sequence
 from enum import Enum
 
-from cluster.router.snapshot import InstanceLoad, PrefixEventKind
+from cluster.router.snapshot import InstanceSnapshot
+from scheduler.block_manager import PrefixEventKind
 
 logger = logging.getLogger(__name__)
 
@@ -49,47 +50,47 @@ class PrefixIndex:
         self._blocks: dict[str, set[int]] = {}
         self._last_sequence: dict[str, int] = {}
 
-    def apply(self, load: InstanceLoad) -> ApplyOutcome:
+    def apply(self, snapshot: InstanceSnapshot) -> ApplyOutcome:
         """Fold one snapshot's prefix events into the index (see the module docstring for the rules)."""
-        instance_id = load.instance_id
+        instance_id = snapshot.instance_id
+        load = snapshot.load
         last = self._last_sequence.get(instance_id)
-        if load.reset:
+        if snapshot.reset:
             outcome = ApplyOutcome.RESET
             self._clear(instance_id)
         elif last is None:
             outcome = ApplyOutcome.APPLIED
-        elif load.sequence <= last:
+        elif snapshot.sequence <= last:
             logger.debug(
-                "instance %s: stale snapshot %d (last applied %d) ignored", instance_id, load.sequence, last
+                "instance %s: stale snapshot %d (last applied %d) ignored", instance_id, snapshot.sequence, last
             )
             return ApplyOutcome.STALE_IGNORED
-        elif load.sequence > last + 1:
+        elif snapshot.sequence > last + 1:
             logger.info(
                 "instance %s: snapshots %d..%d lost; clearing its prefix entries",
                 instance_id,
                 last + 1,
-                load.sequence - 1,
+                snapshot.sequence - 1,
             )
             outcome = ApplyOutcome.GAP_CLEARED
             self._clear(instance_id)
         else:
             outcome = ApplyOutcome.APPLIED
-        self._last_sequence[instance_id] = load.sequence
+        self._last_sequence[instance_id] = snapshot.sequence
         blocks = self._blocks.setdefault(instance_id, set())
         for event in load.prefix_events:
+            block_hash = event.block_hash
             if event.kind is PrefixEventKind.STORED:
-                for block_hash in event.block_hashes:
-                    blocks.add(block_hash)
-                    self._holders.setdefault(block_hash, set()).add(instance_id)
+                blocks.add(block_hash)
+                self._holders.setdefault(block_hash, set()).add(instance_id)
             else:
-                for block_hash in event.block_hashes:
-                    # Removing an unknown block is normal after a gap or a reset.
-                    blocks.discard(block_hash)
-                    holders = self._holders.get(block_hash)
-                    if holders is not None:
-                        holders.discard(instance_id)
-                        if not holders:
-                            del self._holders[block_hash]
+                # Removing an unknown block is normal after a gap or a reset.
+                blocks.discard(block_hash)
+                holders = self._holders.get(block_hash)
+                if holders is not None:
+                    holders.discard(instance_id)
+                    if not holders:
+                        del self._holders[block_hash]
         if len(blocks) > load.total_blocks:
             logger.warning(
                 "instance %s: index holds %d blocks but its pool has %d; removal events were lost, clearing",

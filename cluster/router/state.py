@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
-from cluster.router.snapshot import InstanceRole
+from worker.protocol import REQUEST_TYPES_BY_ROLE, InstanceRole, RequestType
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +248,6 @@ class RequestTimeline:
 # --- Correspondence with the instances' local (TensorRT-LLM) request states ---------------------
 
 
-class RequestType(Enum):
-    """Which half of a request an instance runs (TensorRT-LLM's LlmRequestType)."""
-
-    CONTEXT_AND_GENERATION = "context_and_generation"
-    CONTEXT_ONLY = "context_only"
-    GENERATION_ONLY = "generation_only"
-
-
 class UnknownLocalState(ValueError):
     """An instance reported a local state name that is not one of LOCAL_STATE_NAMES."""
 
@@ -339,16 +331,6 @@ def _build_local_map() -> Mapping[RequestType, Mapping[str, frozenset[GlobalStat
 
 
 _LOCAL_TO_GLOBAL = _build_local_map()
-
-# PREFILL instances only run context-only halves; a GENERATION instance runs generation-only halves
-# and whole requests (conditional disaggregation, fallback, local recompute); MIXED runs anything.
-REQUEST_TYPES_BY_ROLE: Mapping[InstanceRole, frozenset[RequestType]] = MappingProxyType(
-    {
-        InstanceRole.PREFILL: frozenset({RequestType.CONTEXT_ONLY}),
-        InstanceRole.GENERATION: frozenset({RequestType.GENERATION_ONLY, RequestType.CONTEXT_AND_GENERATION}),
-        InstanceRole.MIXED: frozenset(RequestType),
-    }
-)
 
 
 def request_type_for(route: Route, role: InstanceRole) -> RequestType:

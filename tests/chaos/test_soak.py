@@ -38,8 +38,8 @@ from cluster.loadgen.chaos_report import (
 )
 from cluster.loadgen.metrics import RequestRecord
 from cluster.router.config import DisaggMode
-from worker.engine_types import InstanceRole
 from worker.kv_transfer.faults import FaultPlan
+from worker.protocol import InstanceRole
 
 SOAK_REQUESTS = 240
 SOAK_KILL_EVERY = 100  # 2 kills

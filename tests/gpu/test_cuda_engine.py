@@ -16,7 +16,8 @@ def test_cuda_engine_greedy_equals_dense_reference_on_cuda() -> None:
     from worker.default_model import MARGIN_CORPUS_SEED, build_default_model, margin_corpus
     from worker.dense import DenseGenerator
     from worker.engine import Engine
-    from worker.engine_types import EngineConfig, SubmitRequest
+    from worker.engine_types import EngineConfig
+    from worker.protocol import SubmitRequest
     from worker.sampling import SamplingParams
 
     model, tokenizer, generation = build_default_model(dtype="float32", device="cuda")
@@ -55,7 +56,8 @@ def test_cuda_attention_runs_without_cudnn_sdpa(monkeypatch) -> None:
 
     from worker.default_model import MARGIN_CORPUS_SEED, build_default_model, margin_corpus
     from worker.engine import Engine
-    from worker.engine_types import EngineConfig, SubmitRequest
+    from worker.engine_types import EngineConfig
+    from worker.protocol import SubmitRequest
     from worker.sampling import SamplingParams
 
     torch.backends.cuda.enable_cudnn_sdp(True)  # torch's default, whatever earlier tests left

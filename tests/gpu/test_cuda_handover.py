@@ -31,7 +31,7 @@ def test_cuda_disaggregated_equals_cuda_colocated(sampling: str) -> None:
     from local_cluster import GREEDY, PROMPTS, SEEDED, Cluster, run, states
 
     from cluster.router.api import Outcome
-    from worker.engine_types import InstanceRole
+    from worker.protocol import InstanceRole
 
     params = GREEDY if sampling == "greedy" else SEEDED
 

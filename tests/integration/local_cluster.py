@@ -11,8 +11,9 @@ from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
 from cluster.router.instance_client import LocalInstanceClient
 from worker.default_model import margin_corpus
-from worker.engine_types import EngineConfig, InstanceRole
+from worker.engine_types import EngineConfig
 from worker.instance import Instance, InstanceSpec
+from worker.protocol import InstanceRole
 from worker.sampling import SamplingParams
 from worker.tokenizer import ByteTokenizer
 

@@ -13,8 +13,29 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.default_model import margin_corpus
-from worker.engine_types import EngineConfig, InstanceRole, RequestOutput, RequestType, SubmitRequest
-from worker.instance_protocol import PollBatch, PushResult, decode_info, decode_poll, encode_submit
+from worker.engine_types import EngineConfig
+from worker.kv_transfer.failures import FailureReason
+from worker.protocol import (
+    Abort,
+    Ack,
+    Decoder,
+    Digest,
+    Encoder,
+    GetInfo,
+    InstanceInfo,
+    InstanceRole,
+    KvDigest,
+    Poll,
+    PollBatch,
+    Push,
+    PushResult,
+    Release,
+    Reply,
+    RequestOutput,
+    RequestType,
+    Submit,
+    SubmitRequest,
+)
 from worker.sampling import SamplingParams
 
 TOKEN = "test-cluster-token-0123456789abcdef"
@@ -40,12 +61,23 @@ def _spec(instance_id: str, role: InstanceRole, faults=None):
     ).to_bytes()
 
 
+def _reply(data: bytes, expected: type):
+    reply = Decoder(Reply).decode(data)
+    assert isinstance(reply, expected), reply
+    return reply
+
+
+def _call(ray, actor, command, expected: type, timeout: float | None = None):
+    """One command through the instance's single entry point, encoded as the router sends it."""
+    return _reply(ray.get(actor.handle.remote(Encoder().encode(command)), timeout=timeout), expected)
+
+
 def _actor(ray, instance_id: str, role: InstanceRole, faults=None):
     from worker.instance import Instance
 
     remote = ray.remote(num_cpus=0.25, max_concurrency=8, max_restarts=0)(Instance)
     actor = remote.remote(_spec(instance_id, role, faults))
-    info = decode_info(ray.get(actor.get_info.remote(), timeout=120))
+    info = _call(ray, actor, GetInfo(), InstanceInfo, timeout=120)
     return actor, info
 
 
@@ -73,9 +105,9 @@ class Mailbox:
 def _poll(ray, actors_boxes, until, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        batches = ray.get([actor.poll.remote(0.2) for actor, _ in actors_boxes], timeout=30)
+        batches = ray.get([actor.handle.remote(Encoder().encode(Poll(0.2))) for actor, _ in actors_boxes], timeout=30)
         for (_, box), data in zip(actors_boxes, batches, strict=True):
-            box.add(decode_poll(data))
+            box.add(_reply(data, PollBatch))
         if until():
             return
     raise AssertionError("timed out waiting for the instances")
@@ -97,20 +129,16 @@ def run_handover(ray, prefill, generation, request_id: str, prompt, params, push
     (p_actor, _), (g_actor, g_info) = prefill, generation
     p_box, g_box = Mailbox(), Mailbox()
     result = Handover()
-    ray.get(p_actor.submit.remote(encode_submit(SubmitRequest(request_id, tuple(prompt), params, RequestType.CONTEXT_ONLY))))
+    _call(ray, p_actor, Submit(SubmitRequest(request_id, tuple(prompt), params, RequestType.CONTEXT_ONLY)), Ack)
     _poll(ray, [(p_actor, p_box)], lambda: any(o.request_id == request_id and (o.context_done or o.finished) for o in p_box.outputs))
     result.first = next(o for o in p_box.outputs if o.request_id == request_id and o.new_token_ids).new_token_ids
-    result.sent_digest = ray.get(p_actor.kv_digest.remote(request_id, len(prompt)))
+    result.sent_digest = _call(ray, p_actor, KvDigest(request_id, len(prompt)), Digest).sha256
     submitted = time.monotonic()
-    ray.get(
-        g_actor.submit.remote(
-            encode_submit(SubmitRequest(request_id, tuple(prompt), params, RequestType.GENERATION_ONLY, result.first))
-        )
-    )
+    _call(ray, g_actor, Submit(SubmitRequest(request_id, tuple(prompt), params, RequestType.GENERATION_ONLY, result.first)), Ack)
     _poll(ray, [(g_actor, g_box)], lambda: any(r.request_id == request_id for r in g_box.reservations) or g_box.final(request_id) is not None)
     result.reserved_after_s = time.monotonic() - submitted
     reservation = next(r for r in g_box.reservations if r.request_id == request_id)
-    ray.get(p_actor.push.remote(request_id, g_info.transfer_address, reservation.transfer_id, push_deadline_s))
+    _call(ray, p_actor, Push(request_id, g_info.transfer_address, reservation.transfer_id, push_deadline_s), Ack)
     _poll(
         ray,
         [(p_actor, p_box), (g_actor, g_box)],
@@ -121,7 +149,7 @@ def run_handover(ray, prefill, generation, request_id: str, prompt, params, push
     if result.push.ok:
         result.received_digest = _digest_if_alive(ray, g_actor, request_id, len(prompt))
     else:
-        ray.get(p_actor.release.remote(request_id, result.push.reason, result.push.detail))
+        _call(ray, p_actor, Release(request_id, FailureReason(result.push.reason), result.push.detail), Ack)
     _poll(ray, [(p_actor, p_box), (g_actor, g_box)], lambda: p_box.final(request_id) is not None and g_box.final(request_id) is not None)
     result.prefill_final = p_box.final(request_id)
     result.generation_final = g_box.final(request_id)
@@ -131,20 +159,20 @@ def run_handover(ray, prefill, generation, request_id: str, prompt, params, push
 
 def _digest_if_alive(ray, actor, request_id: str, num_tokens: int) -> str:
     try:
-        return ray.get(actor.kv_digest.remote(request_id, num_tokens))
+        return _call(ray, actor, KvDigest(request_id, num_tokens), Digest).sha256
     except Exception:  # noqa: BLE001 - finished already: the test then relies on the tokens
         return ""
 
 
 def free_blocks(ray, actor) -> tuple[int, int]:
-    batch = decode_poll(ray.get(actor.poll.remote(0.0)))
+    batch = _call(ray, actor, Poll(0.0), PollBatch)
     return batch.load.free_blocks, batch.load.total_blocks
 
 
 def mixed_tokens(ray, mixed, request_id: str, prompt, params) -> list[int]:
     actor, _ = mixed
     box = Mailbox()
-    ray.get(actor.submit.remote(encode_submit(SubmitRequest(request_id, tuple(prompt), params))))
+    _call(ray, actor, Submit(SubmitRequest(request_id, tuple(prompt), params)), Ack)
     _poll(ray, [(actor, box)], lambda: box.final(request_id) is not None)
     return [t for o in box.outputs if o.request_id == request_id for t in o.new_token_ids]
 
@@ -250,16 +278,16 @@ def _run_with_abort_on_refusal(ray, prefill, generation, request_id, prompt) -> 
     # it (here, once the push failed) or it expires.
     (p_actor, _), (g_actor, g_info) = prefill, generation
     p_box, g_box = Mailbox(), Mailbox()
-    ray.get(p_actor.submit.remote(encode_submit(SubmitRequest(request_id, tuple(prompt), GREEDY, RequestType.CONTEXT_ONLY))))
+    _call(ray, p_actor, Submit(SubmitRequest(request_id, tuple(prompt), GREEDY, RequestType.CONTEXT_ONLY)), Ack)
     _poll(ray, [(p_actor, p_box)], lambda: any(o.context_done for o in p_box.outputs))
     first = next(o for o in p_box.outputs if o.context_done).new_token_ids
-    ray.get(g_actor.submit.remote(encode_submit(SubmitRequest(request_id, tuple(prompt), GREEDY, RequestType.GENERATION_ONLY, first))))
+    _call(ray, g_actor, Submit(SubmitRequest(request_id, tuple(prompt), GREEDY, RequestType.GENERATION_ONLY, first)), Ack)
     _poll(ray, [(g_actor, g_box)], lambda: bool(g_box.reservations))
-    ray.get(p_actor.push.remote(request_id, g_info.transfer_address, g_box.reservations[0].transfer_id, 2.0))
+    _call(ray, p_actor, Push(request_id, g_info.transfer_address, g_box.reservations[0].transfer_id, 2.0), Ack)
     _poll(ray, [(p_actor, p_box)], lambda: bool(p_box.pushes))
     push = p_box.pushes[0]
-    ray.get(p_actor.release.remote(request_id, push.reason or "INTERNAL", push.detail))
-    ray.get(g_actor.abort.remote(request_id, "router gave up"))
+    _call(ray, p_actor, Release(request_id, FailureReason(push.reason or "INTERNAL"), push.detail), Ack)
+    _call(ray, g_actor, Abort(request_id, "router gave up"), Ack)
     _poll(ray, [(p_actor, p_box), (g_actor, g_box)], lambda: p_box.final(request_id) is not None and g_box.final(request_id) is not None)
     return Handover(first=first, push=push, prefill_final=p_box.final(request_id), generation_final=g_box.final(request_id))
 
@@ -282,12 +310,12 @@ def test_killed_peer_fails_the_transfer_and_frees_the_survivor(ray_cluster, side
     (p_actor, _), (g_actor, g_info) = prefill, generation
     p_box, g_box = Mailbox(), Mailbox()
     prompt = LONG[0]
-    ray.get(p_actor.submit.remote(encode_submit(SubmitRequest("doomed", tuple(prompt), GREEDY, RequestType.CONTEXT_ONLY))))
+    _call(ray, p_actor, Submit(SubmitRequest("doomed", tuple(prompt), GREEDY, RequestType.CONTEXT_ONLY)), Ack)
     _poll(ray, [(p_actor, p_box)], lambda: any(o.context_done for o in p_box.outputs))
     first = next(o for o in p_box.outputs if o.context_done).new_token_ids
-    ray.get(g_actor.submit.remote(encode_submit(SubmitRequest("doomed", tuple(prompt), GREEDY, RequestType.GENERATION_ONLY, first))))
+    _call(ray, g_actor, Submit(SubmitRequest("doomed", tuple(prompt), GREEDY, RequestType.GENERATION_ONLY, first)), Ack)
     _poll(ray, [(g_actor, g_box)], lambda: bool(g_box.reservations))
-    ray.get(p_actor.push.remote("doomed", g_info.transfer_address, g_box.reservations[0].transfer_id, 3.0))
+    _call(ray, p_actor, Push("doomed", g_info.transfer_address, g_box.reservations[0].transfer_id, 3.0), Ack)
     survivor, survivor_box = (g_actor, g_box) if side == "sender" else (p_actor, p_box)
     if side == "sender":
         _poll(ray, [(survivor, survivor_box)], lambda: survivor_box.final("doomed") is not None)
@@ -296,7 +324,7 @@ def test_killed_peer_fails_the_transfer_and_frees_the_survivor(ray_cluster, side
         _poll(ray, [(survivor, survivor_box)], lambda: bool(survivor_box.pushes))
         push = survivor_box.pushes[0]
         assert not push.ok and push.reason == "PEER_UNAVAILABLE"
-        ray.get(p_actor.release.remote("doomed", push.reason, push.detail))
+        _call(ray, p_actor, Release("doomed", FailureReason(push.reason), push.detail), Ack)
         _poll(ray, [(survivor, survivor_box)], lambda: survivor_box.final("doomed") is not None)
     assert free_blocks(ray, survivor) == (128, 128)
     for actor in (p_actor, g_actor):

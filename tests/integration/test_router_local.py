@@ -11,7 +11,7 @@ import pytest
 from local_cluster import GREEDY, PROMPTS, SEEDED, Cluster, router_config, run, states
 
 from cluster.router.api import ClientRequest, ErrorKind, FinalEvent, Outcome, RouterError, TokenEvent
-from worker.engine_types import InstanceRole
+from worker.protocol import InstanceRole
 from worker.sampling import SamplingParams
 from worker.tokenizer import ByteTokenizer
 

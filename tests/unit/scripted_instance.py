@@ -8,9 +8,9 @@ any of its calls, so that an interleaving of the router's tasks is chosen by the
     await p0.arrived("release")              # ...and is now inside that call
     p0.let_go("release")
 
-It speaks the router's InstanceClient interface with the real message types (it decodes the submit
-payload the router encoded). Calls are recorded in the order the instance *finishes* them, which is
-the order an instance would act on them.
+It speaks the router's InstanceClient interface with the real message types (a submitted request
+goes through the wire codec, as it would to an instance). Calls are recorded in the order the
+instance *finishes* them, which is the order an instance would act on them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from worker.engine_types import InstanceRole, SubmitRequest
-from worker.instance_protocol import InstanceInfo, PollBatch, decode_submit
 from worker.kv_layout import KvLayout
+from worker.kv_transfer.failures import FailureReason
+from worker.protocol import Decoder, Encoder, InstanceInfo, InstanceRole, PollBatch, Submit, SubmitRequest
 
 VOCAB_SIZE = 264
 TOKENS_PER_BLOCK = 16
@@ -84,15 +84,15 @@ class ScriptedInstance:
     async def ping(self) -> str:
         return self.info.incarnation
 
-    async def submit(self, payload: bytes) -> None:
-        submit = decode_submit(payload)
+    async def submit(self, request: SubmitRequest) -> None:
+        submit = Decoder(Submit).decode(Encoder().encode(Submit(request))).request
         await self._call("submit", submit.request_id)
         self.submits[submit.request_id] = submit
 
     async def abort(self, request_id: str, detail: str) -> None:
         await self._call("abort", request_id)
 
-    async def release(self, request_id: str, reason: str, detail: str) -> None:
+    async def release(self, request_id: str, reason: FailureReason, detail: str) -> None:
         await self._call("release", request_id)
 
     async def push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:

@@ -10,16 +10,10 @@ from scheduler.state import LlmRequestState
 from worker.default_model import MARGIN_CORPUS_SEED, build_default_model, greedy_margins, margin_corpus
 from worker.dense import DenseGenerator
 from worker.engine import Engine, EngineError
-from worker.engine_types import (
-    EngineConfig,
-    EngineInputError,
-    ErrorCode,
-    InstanceRole,
-    RequestType,
-    SubmitRequest,
-)
+from worker.engine_types import EngineConfig
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason, TransferFailure, TransferRejected
+from worker.protocol import EngineInputError, ErrorCode, InstanceRole, RequestType, SubmitRequest
 from worker.sampling import InvalidSamplingParams, SamplingParams
 
 S = LlmRequestState

@@ -30,7 +30,7 @@ from cluster.router.api import (
     TokenEvent,
     Usage,
 )
-from worker.engine_types import InstanceRole
+from worker.protocol import InstanceRole
 
 FIXED_TIME_S = 1_700_000_000.25
 VOCAB_SIZE = 300

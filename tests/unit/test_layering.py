@@ -61,7 +61,7 @@ def test_importing_any_cluster_module_does_not_import_torch() -> None:
 
 def test_torch_free_worker_modules_stay_torch_free() -> None:
     # The front end validates requests and the router moves KV metadata with these.
-    candidates = ["worker", "worker.kv_layout", "worker.sampling"]
+    candidates = ["worker", "worker.kv_layout", "worker.sampling", "worker.protocol", "worker.handover"]
     candidates += [m for m in _modules("worker") if m.startswith("worker.kv_transfer")]
     _torch_free([m for m in candidates if (REPO / (m.replace(".", "/") + ".py")).exists() or (REPO / m.replace(".", "/")).is_dir()])
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from worker import LLM, SamplingParams
-from worker.engine_types import EngineInputError
+from worker.protocol import EngineInputError
 
 
 @pytest.fixture(scope="module")

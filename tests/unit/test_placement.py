@@ -33,15 +33,17 @@ from cluster.router.placement import (
     build_policy,
 )
 from cluster.router.prefix_index import PrefixIndex
-from cluster.router.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
+from cluster.router.snapshot import InstanceSnapshot
 from cluster.router.state import Route
 from scheduler.block_hash import block_hash_chain
+from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from worker.protocol import EngineLoad, InstanceRole
 
 TPB = 16
 HEALTHY = InstanceHealth.HEALTHY
 
 
-def load(
+def snap(
     instance_id: str,
     role: InstanceRole = InstanceRole.GENERATION,
     *,
@@ -50,12 +52,9 @@ def load(
     running: int = 0,
     queued_tokens: int = 0,
     stored: tuple[int, ...] = (),
-) -> InstanceLoad:
-    return InstanceLoad(
-        instance_id=instance_id,
+) -> InstanceSnapshot:
+    load = EngineLoad(
         role=role,
-        sequence=0,
-        timestamp_s=0.0,
         total_blocks=total,
         free_blocks=free,
         tokens_per_block=TPB,
@@ -64,12 +63,13 @@ def load(
         queued_prompt_tokens=queued_tokens,
         tokens_in_flight=0,
         num_paused=0,
-        prefix_events=(PrefixEvent(PrefixEventKind.STORED, stored),) if stored else (),
+        prefix_events=tuple(PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in stored),
     )
+    return InstanceSnapshot(instance_id, load)
 
 
 def cand(*args, health: InstanceHealth = HEALTHY, **kwargs) -> Candidate:
-    return Candidate(load(*args, **kwargs), health)
+    return Candidate(snap(*args, **kwargs), health)
 
 
 def request(prompt_tokens: int = 160, decode_tokens: int = 32, hashes: tuple[int, ...] | None = None):
@@ -122,7 +122,7 @@ def test_least_loaded_picks_the_freest_by_llumnix_freeness():
 
 
 def test_least_loaded_counts_partial_queued_blocks_and_can_go_negative():
-    assert LeastLoaded.freeness(load("a", free=10, running=1, queued_tokens=17 * TPB + 1)) == -8.0
+    assert LeastLoaded.freeness(snap("a", free=10, running=1, queued_tokens=17 * TPB + 1).load) == -8.0
 
 
 def test_least_loaded_breaks_ties_by_instance_id():
@@ -138,7 +138,7 @@ def test_kv_aware_cost_terms():
     # 150 prompt tokens = 10 blocks (rounded up), 8 cached; 40 queued prompt tokens = 3 blocks;
     # 300 used blocks + (150 + 50) tokens held = 13 blocks.
     cost = policy.cost(
-        PlacementRequest("r", 150, tuple(range(9)), 50), load("a", free=700, queued_tokens=40), cached=8
+        PlacementRequest("r", 150, tuple(range(9)), 50), snap("a", free=700, queued_tokens=40).load, cached=8
     )
     assert (cost.uncached_prompt_blocks, cost.active_prefill_blocks, cost.decode_blocks) == (2, 3, 313)
     assert cost.cost == 2.0 * (2 + 3) + 313
@@ -149,9 +149,9 @@ def test_kv_aware_prefill_instance_is_charged_compute_not_memory():
     # (uncached + queued prompt blocks); memory counts only when the prompt does not fit now.
     policy = KvAware()
     req = request(prompt_tokens=160, decode_tokens=480)
-    assert policy.cost(req, load("p", InstanceRole.PREFILL), 0).decode_blocks == 0
-    assert policy.cost(req, load("p", InstanceRole.PREFILL, free=5), 0).decode_blocks == 10
-    assert policy.cost(req, load("g", InstanceRole.GENERATION), 0).decode_blocks == 40
+    assert policy.cost(req, snap("p", InstanceRole.PREFILL).load, 0).decode_blocks == 0
+    assert policy.cost(req, snap("p", InstanceRole.PREFILL, free=5).load, 0).decode_blocks == 10
+    assert policy.cost(req, snap("g", InstanceRole.GENERATION).load, 0).decode_blocks == 40
 
 
 @pytest.mark.parametrize(
@@ -176,8 +176,8 @@ def test_kv_aware_with_a_real_prefix_index():
     tokens = list(range(7, 7 + 160))
     hashes = tuple(block_hash_chain(tokens, TPB))
     index = PrefixIndex()
-    warm = load("warm", free=900, stored=hashes[:6])
-    cold = load("cold", free=900)
+    warm = snap("warm", free=900, stored=hashes[:6])
+    cold = snap("cold", free=900)
     for instance in (warm, cold):
         index.apply(instance)
     req = PlacementRequest("r", len(tokens), hashes, 16)
@@ -267,19 +267,19 @@ def test_placement_request_is_validated(kwargs):
 
 def test_conditional_disagg_short_prompt_skips_the_prefill_hop():
     decider = ConditionalDisagg(DisaggMode.CONDITIONAL, ConditionalDisaggConfig(256, 0.0))
-    short = decider.decide(request(prompt_tokens=255), load("g"), cached=0)
+    short = decider.decide(request(prompt_tokens=255), snap("g"), cached=0)
     assert (short.disaggregate, short.reason) == (False, DisaggReason.SHORT_PROMPT)
-    boundary = decider.decide(request(prompt_tokens=256), load("g"), cached=0)
+    boundary = decider.decide(request(prompt_tokens=256), snap("g"), cached=0)
     assert (boundary.disaggregate, boundary.reason) == (True, DisaggReason.LONG_UNCACHED_PROMPT)
 
 
 def test_conditional_disagg_mostly_cached_prompt_skips_the_prefill_hop():
     decider = ConditionalDisagg(DisaggMode.CONDITIONAL, ConditionalDisaggConfig(0, 0.25))
     req = request(prompt_tokens=320)  # 20 blocks
-    cached = decider.decide(req, load("g"), cached=16)  # 64 of 320 tokens uncached = 0.2
+    cached = decider.decide(req, snap("g"), cached=16)  # 64 of 320 tokens uncached = 0.2
     assert (cached.disaggregate, cached.reason) == (False, DisaggReason.MOSTLY_CACHED)
     assert cached.uncached_fraction == pytest.approx(0.2)
-    cold = decider.decide(req, load("g"), cached=15)  # 0.25 is not below 0.25
+    cold = decider.decide(req, snap("g"), cached=15)  # 0.25 is not below 0.25
     assert (cold.disaggregate, cold.reason) == (True, DisaggReason.LONG_UNCACHED_PROMPT)
 
 
@@ -294,7 +294,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
 )
 def test_disagg_modes_ignore_thresholds(mode, disaggregate, reason):
     decider = ConditionalDisagg(mode, ConditionalDisaggConfig(10_000, 1.0))
-    decision = decider.decide(request(prompt_tokens=16), load("g"), cached=1)
+    decision = decider.decide(request(prompt_tokens=16), snap("g"), cached=1)
     assert (decision.disaggregate, decision.reason) == (disaggregate, reason)
 
 

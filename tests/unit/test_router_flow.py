@@ -31,9 +31,16 @@ from cluster.router.config import RecoveryAction, RouterConfig
 from cluster.router.fleet import Fleet
 from cluster.router.flow import Attempt, RequestFlow
 from cluster.router.state import GlobalState, Route
-from worker.engine_types import ErrorCode, InstanceRole, RequestError, RequestOutput
-from worker.instance_protocol import InstanceInfo, PushResult, ReservationNotice
 from worker.kv_layout import KvLayout
+from worker.protocol import (
+    ErrorCode,
+    InstanceInfo,
+    InstanceRole,
+    PushResult,
+    RequestError,
+    RequestOutput,
+    ReservationNotice,
+)
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
 

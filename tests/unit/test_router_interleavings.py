@@ -16,8 +16,7 @@ from scripted_instance import VOCAB_SIZE, ScriptedInstance, until
 from cluster.router.api import ClientRequest, FinalEvent, Outcome
 from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
-from worker.engine_types import InstanceRole, RequestOutput
-from worker.instance_protocol import PushResult, ReservationNotice
+from worker.protocol import InstanceRole, PushResult, RequestOutput, ReservationNotice
 from worker.sampling import SamplingParams
 from worker.tokenizer import ByteTokenizer
 

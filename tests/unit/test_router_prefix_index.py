@@ -6,8 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.router.prefix_index import ApplyOutcome, PrefixIndex
-from cluster.router.snapshot import InstanceLoad, InstanceRole, PrefixEvent, PrefixEventKind
+from cluster.router.snapshot import InstanceSnapshot
 from scheduler.block_hash import block_hash_chain
+from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from worker.protocol import EngineLoad, InstanceRole
 
 STORED = PrefixEventKind.STORED
 REMOVED = PrefixEventKind.REMOVED
@@ -19,12 +21,10 @@ def snap(
     *events: tuple[PrefixEventKind, tuple[int, ...]],
     reset: bool = False,
     total_blocks: int = 1000,
-) -> InstanceLoad:
-    return InstanceLoad(
-        instance_id=instance_id,
+) -> InstanceSnapshot:
+    """A snapshot whose prefix events are runs of (kind, block hashes), one event per block."""
+    load = EngineLoad(
         role=InstanceRole.MIXED,
-        sequence=sequence,
-        timestamp_s=float(sequence),
         total_blocks=total_blocks,
         free_blocks=total_blocks,
         tokens_per_block=4,
@@ -33,9 +33,9 @@ def snap(
         queued_prompt_tokens=0,
         tokens_in_flight=0,
         num_paused=0,
-        prefix_events=tuple(PrefixEvent(kind, hashes) for kind, hashes in events),
-        reset=reset,
+        prefix_events=tuple(PrefixEvent(kind, block_hash) for kind, hashes in events for block_hash in hashes),
     )
+    return InstanceSnapshot(instance_id, load, sequence=sequence, reset=reset)
 
 
 CHAIN = (11, 12, 13, 14)

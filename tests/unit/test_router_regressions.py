@@ -11,8 +11,15 @@ from scripted_instance import ScriptedInstance, until
 from cluster.router.api import ClientRequest, FinalEvent, Outcome, TokenEvent
 from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
-from worker.engine_types import ErrorCode, InstanceRole, RequestError, RequestOutput, StateEvent
-from worker.instance_protocol import PushResult, ReservationNotice
+from worker.protocol import (
+    ErrorCode,
+    InstanceRole,
+    PushResult,
+    RequestError,
+    RequestOutput,
+    ReservationNotice,
+    StateEvent,
+)
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
 from worker.tokenizer import ByteTokenizer

@@ -6,17 +6,14 @@ from collections import deque
 
 import pytest
 
-from cluster.router.snapshot import InstanceRole
 from cluster.router.state import (
     LOCAL_STATE_NAMES,
-    REQUEST_TYPES_BY_ROLE,
     TERMINAL_STATES,
     TRANSITIONS,
     GlobalState,
     IllegalTransition,
     Node,
     RequestTimeline,
-    RequestType,
     RoleMismatch,
     Route,
     UnknownLocalState,
@@ -24,6 +21,7 @@ from cluster.router.state import (
     is_legal,
     request_type_for,
 )
+from worker.protocol import REQUEST_TYPES_BY_ROLE, InstanceRole, RequestType
 
 S = GlobalState
 D = Route.DISAGGREGATED

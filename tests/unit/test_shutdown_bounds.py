@@ -9,8 +9,7 @@ from scripted_instance import ScriptedInstance
 from test_router_interleavings import make_router
 
 from cluster.shutdown import StopTimeout, bounded, cancel_and_wait
-from worker.engine_types import InstanceRole
-from worker.instance_protocol import PollBatch
+from worker.protocol import InstanceRole, PollBatch
 
 
 class SwallowsCancellation(ScriptedInstance):

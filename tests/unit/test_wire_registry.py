@@ -13,7 +13,7 @@ from worker.kv_transfer.plan import ChunkSpec, plan_chunks
 from worker.kv_transfer.registry import (
     TRANSITIONS,
     Admission,
-    IllegalTransition,
+    IllegalTransferTransition,
     TransferRegistry,
     TransferState,
 )
@@ -228,7 +228,7 @@ def test_state_moves_only_along_the_table() -> None:
     registry = _registry()
     record, _ = _open(registry)
     registry.fail(record, TransferFailure(FailureReason.CANCELLED))
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalTransferTransition):
         record._move(TransferState.COMMITTED)
 
 

@@ -39,7 +39,7 @@ TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransferTransition(RuntimeError):
     """A state change that TRANSITIONS does not allow (a bug in the transport)."""
 
 
@@ -99,7 +99,7 @@ class TransferRecord:
     @property
     def target(self) -> TransferTarget:
         if self._target is None:
-            raise IllegalTransition(f"transfer {self.transfer_id} has finished; its target is released")
+            raise IllegalTransferTransition(f"transfer {self.transfer_id} has finished; its target is released")
         return self._target
 
     @property
@@ -108,7 +108,7 @@ class TransferRecord:
 
     def _move(self, new_state: TransferState) -> None:
         if new_state not in TRANSITIONS[self.state]:
-            raise IllegalTransition(f"transfer {self.transfer_id}: {self.state.value} -> {new_state.value}")
+            raise IllegalTransferTransition(f"transfer {self.transfer_id}: {self.state.value} -> {new_state.value}")
         self.state = new_state
 
 

@@ -1,0 +1,325 @@
+"""A request's KV hand-over on one instance: the one place that owns its hand-over state.
+
+TensorRT-LLM's disaggregated flow (its LlmRequestState DISAGG_* values, scheduler/state.py) has a
+sending side and a receiving side. This module keeps each side's bookkeeping; the engine
+(worker/engine.py) moves the request's local state and emits its outputs.
+
+Receiving side (a GENERATION_ONLY request on a GENERATION or MIXED instance):
+- waiting for blocks: DISAGG_GENERATION_INIT, until the capacity scheduler reserves them;
+- reserved: `Handover.reserve` registers the blocks under a new, unguessable transfer id and queues a
+  `Reservation` notice for the router (DISAGG_GENERATION_TRANS_IN_PROGRESS). A transfer thread
+  writes into exactly those blocks through `TransferTarget`, holding the reservation's lock, so the
+  engine never frees blocks under a writer;
+- committed: the writer posts `KvCommitted`; the engine thread takes it (`commit`) and the request
+  becomes DISAGG_GENERATION_TRANS_COMPLETE, then generates;
+- dead: expired (`expired`: no commit within reservation_timeout_s), failed (the writer posts
+  `KvWriteFailed`) or cancelled (an abort): DISAGG_TRANS_ERROR (GENERATION_COMPLETE for an abort),
+  blocks freed.
+
+Sending side (a CONTEXT_ONLY request on a PREFILL or MIXED instance):
+- leased: its first token is out and it holds its blocks, waiting for the push
+  (DISAGG_CONTEXT_TRANS_IN_PROGRESS) until the lease of sender_lease_s runs out;
+- pinned: pushes in flight read the blocks (`pin` for each, `unpin` when its result comes back as
+  `PushReported`). A pinned request's lease cannot expire, and an abort or release that comes
+  meanwhile is deferred (`defer_end`) until the last push returns, never freeing blocks under a
+  reader;
+- acknowledged: a push succeeded, DISAGG_CONTEXT_COMPLETE, blocks freed. A failed push leaves it
+  leased (the router may retry the transfer, or release it: DISAGG_TRANS_ERROR, as does an expired
+  lease).
+
+Threads: the engine thread owns `RequestHandover` values and calls every method here, except the
+ones marked "any thread" (`open`, `post` and `TransferTarget`), which transfer and push threads call.
+They report through the inbox, which the engine thread drains at its next step.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from worker.engine_types import Reservation
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.failures import FailureReason, TransferFailure, TransferRejected
+from worker.kv_transfer.ids import new_transfer_id
+from worker.protocol import RequestOutput
+
+# Ends a request (its final output goes to the list): run at once, or deferred behind pushes.
+EndRequest = Callable[[list[RequestOutput]], None]
+# Writes KV bytes into cache blocks: (block ids, layer start, layer end, data) (worker/kv_cache.py).
+ImportBlocks = Callable[[list[int], int, int, memoryview], None]
+
+
+# --- the inbox: what other threads report ----------------------------------------------------------
+@dataclass(frozen=True)
+class KvCommitted:
+    """Receiving side: every byte of the transfer was written and verified."""
+
+    transfer_id: str
+
+
+@dataclass(frozen=True)
+class KvWriteFailed:
+    """Receiving side: the transfer into this reservation failed."""
+
+    transfer_id: str
+    failure: TransferFailure
+
+
+@dataclass(frozen=True)
+class PushReported:
+    """Sending side: a push returned (failure None: acknowledged by the receiver)."""
+
+    request_id: str
+    failure: TransferFailure | None
+
+
+InboxMessage = KvCommitted | KvWriteFailed | PushReported
+
+
+# --- per-request state --------------------------------------------------------------------------------
+class ReservedBlocks:
+    """Receiving side: the blocks reserved for one incoming transfer. Guarded by `lock`, which a
+    transfer thread holds while it writes, so the engine never frees blocks mid-write."""
+
+    def __init__(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, expires_at_s: float):
+        self.transfer_id = transfer_id
+        self.request_id = request_id
+        self.block_ids = block_ids
+        self.num_tokens = num_tokens
+        self.expires_at_s = expires_at_s
+        self.lock = threading.Lock()
+        self.live = True  # false once expired, failed, cancelled or finished
+        self.committed = False
+
+
+@dataclass
+class RequestHandover:
+    """One request's hand-over state (a request uses one side only)."""
+
+    reservation: ReservedBlocks | None = None  # receiving side
+    lease_deadline_s: float | None = None  # sending side, once its context is done
+    pushes_in_flight: int = 0
+    # An abort or release that came while a push was reading the blocks: it takes effect (and the
+    # blocks are freed) when the push returns, never under a reader's feet.
+    deferred_end: EndRequest | None = None
+
+
+class Expiry(enum.Enum):
+    RESERVATION = "reservation"  # receiving side: no KV committed in time
+    LEASE = "lease"  # sending side: nobody took the KV in time
+
+
+class EndTiming(enum.Enum):
+    NOW = "now"  # no push in flight: end the request now
+    DEFERRED = "deferred"  # a push is in flight: the end runs when the last one returns
+    ALREADY_DEFERRED = "already deferred"  # an earlier end waits already; this one is dropped
+
+
+class Unpinned(enum.Enum):
+    REPORT = "report"  # no end waits: act on the push's result
+    END = "end"  # the last push returned: run the deferred end now
+    WAIT = "wait"  # an end waits for pushes still in flight
+
+
+class Handover:
+    """The reservations by transfer id, the notices for the router, the inbox, and the transitions
+    of `RequestHandover` values."""
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        *,
+        reservation_timeout_s: float,
+        sender_lease_s: float,
+        on_inbox: Callable[[], None] | None = None,
+    ) -> None:
+        self.layout = layout
+        self._reservation_timeout_s = reservation_timeout_s
+        self._sender_lease_s = sender_lease_s
+        self._by_transfer: dict[str, ReservedBlocks] = {}
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
+        self._on_inbox = on_inbox  # wakes an idle step loop when another thread posts
+        self._new_reservations: list[Reservation] = []
+
+    # --- receiving side ------------------------------------------------------------------------------
+    def reserve(self, state: RequestHandover, request_id: str, block_ids: list[int], num_tokens: int, now: float) -> ReservedBlocks:
+        """Register blocks the scheduler reserved for a request's incoming KV, under a new transfer id."""
+        reservation = ReservedBlocks(new_transfer_id(), request_id, block_ids, num_tokens, now + self._reservation_timeout_s)
+        state.reservation = reservation
+        with self._lock:
+            self._by_transfer[reservation.transfer_id] = reservation
+        self._new_reservations.append(self._notice(reservation))
+        return reservation
+
+    def reservation_of(self, state: RequestHandover) -> Reservation | None:
+        """The request's live reservation, as the value the router is told."""
+        reservation = state.reservation
+        if reservation is None or not reservation.live:
+            return None
+        return self._notice(reservation)
+
+    def _notice(self, r: ReservedBlocks) -> Reservation:
+        return Reservation(r.request_id, r.transfer_id, len(r.block_ids), r.num_tokens, self.layout, r.expires_at_s)
+
+    def drain_new_reservations(self) -> list[Reservation]:
+        """Reservations made since the last call (the router hands their transfer ids to senders)."""
+        made, self._new_reservations = self._new_reservations, []
+        return made
+
+    def open(self, transfer_id: str, request_id: str, peer_layout: KvLayout, import_blocks: ImportBlocks) -> TransferTarget:
+        """Any thread (TransferSink.open): the reserved blocks behind `transfer_id`."""
+        with self._lock:
+            reservation = self._by_transfer.get(transfer_id)
+        if reservation is None:
+            raise TransferRejected(FailureReason.UNKNOWN_TRANSFER, "no reservation has this transfer id")
+        if reservation.request_id != request_id:
+            raise TransferRejected(FailureReason.UNKNOWN_TRANSFER, "the transfer id belongs to another request")
+        problem = self.layout.incompatibility(peer_layout)
+        if problem is not None:
+            raise TransferRejected(FailureReason.INCOMPATIBLE, problem)
+        with reservation.lock:
+            if not reservation.live:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            if reservation.committed:
+                raise TransferRejected(FailureReason.PROTOCOL_ERROR, "the transfer was already committed")
+        return TransferTarget(reservation, self.layout, import_blocks, self.post)
+
+    def commit(self, transfer_id: str) -> ReservedBlocks | None:
+        """The KV behind `transfer_id` committed: forget the transfer id (None if it is gone already)."""
+        with self._lock:
+            return self._by_transfer.pop(transfer_id, None)
+
+    @staticmethod
+    def settle(state: RequestHandover, reservation: ReservedBlocks) -> bool:
+        """Whether a committed `reservation` is still the request's own; if so the request holds the
+        KV from now on and no reservation."""
+        if state.reservation is not reservation:
+            return False
+        state.reservation = None
+        return True
+
+    def find(self, transfer_id: str) -> ReservedBlocks | None:
+        with self._lock:
+            return self._by_transfer.get(transfer_id)
+
+    @staticmethod
+    def invalidate(reservation: ReservedBlocks) -> None:
+        """No more writes into `reservation` (waits for a write in progress)."""
+        with reservation.lock:
+            reservation.live = False
+
+    def cancel(self, state: RequestHandover) -> None:
+        """An abort: the request's reservation, if any, takes no more writes."""
+        if state.reservation is not None:
+            self.invalidate(state.reservation)
+
+    def forget(self, state: RequestHandover) -> None:
+        """The request ended: drop its reservation."""
+        if state.reservation is not None:
+            with self._lock:
+                self._by_transfer.pop(state.reservation.transfer_id, None)
+            state.reservation = None
+
+    # --- sending side --------------------------------------------------------------------------------
+    def start_lease(self, state: RequestHandover, now: float) -> None:
+        """The request's context is done: it holds its blocks for a push until the lease runs out."""
+        state.lease_deadline_s = now + self._sender_lease_s
+
+    @staticmethod
+    def pin(state: RequestHandover) -> None:
+        """A push starts reading the request's blocks."""
+        state.pushes_in_flight += 1
+
+    @staticmethod
+    def unpin(state: RequestHandover) -> Unpinned:
+        """A push returned."""
+        state.pushes_in_flight = max(0, state.pushes_in_flight - 1)
+        if state.deferred_end is None:
+            return Unpinned.REPORT
+        return Unpinned.END if state.pushes_in_flight == 0 else Unpinned.WAIT
+
+    @staticmethod
+    def defer_end(state: RequestHandover, end: EndRequest) -> EndTiming:
+        """When an abort or release may end the request: now, or once the pushes in flight return."""
+        if state.pushes_in_flight == 0:
+            return EndTiming.NOW
+        if state.deferred_end is not None:
+            return EndTiming.ALREADY_DEFERRED
+        state.deferred_end = end
+        return EndTiming.DEFERRED
+
+    # --- both sides ----------------------------------------------------------------------------------
+    @staticmethod
+    def expired(state: RequestHandover, now: float, *, waiting_to_send: bool) -> Expiry | None:
+        """Whether the request's reservation or lease ran out at `now` (an expired reservation takes
+        no more writes). `waiting_to_send`: the request is in DISAGG_CONTEXT_TRANS_IN_PROGRESS."""
+        reservation = state.reservation
+        if reservation is not None and now >= reservation.expires_at_s:
+            with reservation.lock:
+                expired = reservation.live and not reservation.committed
+                if expired:
+                    reservation.live = False
+            return Expiry.RESERVATION if expired else None
+        if (
+            state.lease_deadline_s is not None
+            and now >= state.lease_deadline_s
+            and state.pushes_in_flight == 0
+            and waiting_to_send
+        ):
+            return Expiry.LEASE
+        return None
+
+    # --- the inbox -----------------------------------------------------------------------------------
+    def post(self, message: InboxMessage) -> None:
+        """Any thread: queue a report for the engine thread and wake it."""
+        self._inbox.put(message)
+        if self._on_inbox is not None:
+            self._on_inbox()
+
+    def has_mail(self) -> bool:
+        return not self._inbox.empty()
+
+    def inbox(self) -> Iterator[InboxMessage]:
+        """The reports posted so far, and any posted while they are handled."""
+        while True:
+            try:
+                yield self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+
+class TransferTarget:
+    """TransferTarget over a reservation (any thread): writes go straight into the reserved cache
+    blocks, under the reservation's lock."""
+
+    def __init__(self, reservation: ReservedBlocks, layout: KvLayout, import_blocks: ImportBlocks,
+                 post: Callable[[InboxMessage], None]) -> None:
+        self._reservation = reservation
+        self._import_blocks = import_blocks
+        self._post = post
+        self.num_blocks = len(reservation.block_ids)
+        self.layout = layout
+
+    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
+        reservation = self._reservation
+        if not (0 <= block_start < block_end <= self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers):
+            raise TransferRejected(FailureReason.PROTOCOL_ERROR, "range outside the reservation")
+        with reservation.lock:
+            if not reservation.live or reservation.committed:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            self._import_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, data)
+
+    def commit(self) -> None:
+        reservation = self._reservation
+        with reservation.lock:
+            if not reservation.live:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            reservation.committed = True
+        self._post(KvCommitted(reservation.transfer_id))
+
+    def fail(self, failure: TransferFailure) -> None:
+        self._post(KvWriteFailed(self._reservation.transfer_id, failure))
