@@ -22,7 +22,7 @@ from typing import Any
 from cluster.client import ClientConfigError, ClientTls, DuetClient, DuetError
 from cluster.deploy.config import ClusterConfig
 from cluster.router.config import ConfigError
-from worker.engine_types import InstanceRole
+from worker.protocol import InstanceRole
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 TOKEN_ENV = "DUET_TOKEN"

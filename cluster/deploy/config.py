@@ -49,9 +49,10 @@ from worker.config import (
     dataclass_compatible,
     load_config,
 )
-from worker.engine_types import EngineConfig, EngineInputError, InstanceRole
+from worker.engine_types import EngineConfig
 from worker.kv_transfer.config import KvTransferConfig
 from worker.kv_transfer.faults import FaultPlan
+from worker.protocol import EngineInputError, InstanceRole
 
 
 class InstanceGroup(ConfigSection, frozen=True):

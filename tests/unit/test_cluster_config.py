@@ -22,9 +22,10 @@ from cluster.router.config import (
     UnknownConfigKey,
 )
 from worker.config import DistinctSet, load_config
-from worker.engine_types import EngineConfig, EngineInputError, InstanceRole
+from worker.engine_types import EngineConfig
 from worker.kv_transfer.config import SenderConfig, TransferConfigError
 from worker.kv_transfer.faults import FaultPlan, FaultPlanError
+from worker.protocol import EngineInputError, InstanceRole
 
 TWO_ROLES = [{"role": "PREFILL"}, {"role": "GENERATION"}]
 
