@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="32 MiB, 3 repetitions")
     parser.add_argument("--size-mib", type=int, default=None, help="bytes of KV to move (default 256, quick 32)")
     parser.add_argument("--repetitions", type=int, default=None, help="default 7, quick 3")
-    parser.add_argument("--streams", type=int, default=SenderConfig.num_streams)
-    parser.add_argument("--connections", type=int, default=SenderConfig.num_connections)
-    parser.add_argument("--chunk-mib", type=float, default=SenderConfig.max_chunk_bytes / MIB)
+    parser.add_argument("--streams", type=int, default=SenderConfig().num_streams)
+    parser.add_argument("--connections", type=int, default=SenderConfig().num_connections)
+    parser.add_argument("--chunk-mib", type=float, default=SenderConfig().max_chunk_bytes / MIB)
     parser.add_argument("--checksum", choices=sorted(CHECKSUMS), default="xxh3_64", help="the only algorithm the sender offers")
     parser.add_argument(
         "--no-tune-malloc", action="store_true", help="keep glibc's malloc defaults (worker/kv_transfer/malloc_tuning.py)"

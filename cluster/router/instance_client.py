@@ -182,3 +182,27 @@ class LocalInstanceClient(_InstanceCalls):
             return await asyncio.wait_for(asyncio.to_thread(self.instance.handle, payload), timeout=timeout_s)
         except asyncio.TimeoutError:
             raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s") from None
+
+
+class InstantInstanceClient(_InstanceCalls):
+    """An InstantInstance (worker/instant.py) on this event loop: no thread; a poll waits for its
+    mail on an asyncio.Event instead of blocking. Every call still goes through the real codec."""
+
+    def __init__(self, instance: Any) -> None:
+        super().__init__()
+        self.instance = instance
+        self.instance_id = instance.instance_id
+        self._mail = asyncio.Event()
+        instance.on_mail = self._mail.set
+
+    async def poll(self, timeout_s: float) -> PollBatch:
+        if not self.instance.has_mail:
+            self._mail.clear()
+            try:
+                await asyncio.wait_for(self._mail.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return await super().poll(0.0)
+
+    async def _send(self, payload: bytes, name: str, timeout_s: float) -> bytes:
+        return self.instance.handle(payload)
