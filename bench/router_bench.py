@@ -111,7 +111,9 @@ async def run_router(requests: list[tuple[int, ...]], concurrency: int, seed: in
     async def worker() -> None:
         while queue:
             index, prompt = queue.pop()
-            handle = await router.submit(ClientRequest(None, prompt, params, client_request_id=f"b{index}"))
+            # Validated, as a front end hands requests over (the router's own cost is measured).
+            request = ClientRequest(None, prompt, params, client_request_id=f"b{index}", validated=True)
+            handle = await router.submit(request)
             async for event in handle.events():
                 if isinstance(event, FinalEvent):
                     outcomes.append(event)

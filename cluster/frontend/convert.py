@@ -212,13 +212,13 @@ def client_request_from_proto(
             raise RequestValidationError("priority", f"must be in [0, 1], got {priority}")
 
     if prompt_text is not None:
-        prompt_length = len(tokenize(prompt_text))
-        if prompt_length == 0:
+        # Tokenized once, here: the router gets the token ids.
+        prompt_ids = tuple(tokenize(prompt_text))
+        if not prompt_ids:
             raise RequestValidationError("text", "tokenizes to no tokens")
-        _check_prompt_length(prompt_length, "text", limits)
-    else:
-        assert prompt_ids is not None
-        prompt_length = len(prompt_ids)
+        _check_prompt_length(len(prompt_ids), "text", limits)
+    assert prompt_ids is not None
+    prompt_length = len(prompt_ids)
     if prompt_length + sampling.max_tokens > limits.max_seq_len:
         raise RequestValidationError(
             "sampling.max_tokens",
@@ -226,12 +226,13 @@ def client_request_from_proto(
             f"model's context of {limits.max_seq_len} tokens",
         )
     return ClientRequest(
-        prompt_text=prompt_text,
+        prompt_text=None,
         prompt_token_ids=prompt_ids,
         sampling=sampling,
         client_request_id=client_request_id,
         timeout_s=timeout_s,
         priority=priority,
+        validated=True,
     )
 
 

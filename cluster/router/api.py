@@ -48,7 +48,12 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class ClientRequest:
-    """A generation request as the front end received it (exactly one of text / token ids)."""
+    """A generation request as the front end received it (exactly one of text / token ids).
+
+    `validated`: the front end has tokenized the text and checked the request against the model's
+    limits (vocabulary, context length, sampling ranges), so the router takes it as it is: a
+    request is validated once, at the edge. Callers that skip a front end (tests, tools) leave it
+    False and the router checks (the engine checks again in any case: the offline API enters there)."""
 
     prompt_text: str | None
     prompt_token_ids: tuple[int, ...] | None
@@ -56,6 +61,7 @@ class ClientRequest:
     client_request_id: str | None = None
     timeout_s: float | None = None  # end-to-end deadline, from arrival
     priority: float = 0.5
+    validated: bool = False
 
 
 @dataclass(frozen=True)

@@ -302,6 +302,9 @@ class Router:
 
     # --- validation ---------------------------------------------------------------------------------
     def _validated_prompt(self, request: ClientRequest) -> tuple[int, ...]:
+        """The prompt's token ids; the checks only for a request no front end validated."""
+        if request.validated and request.prompt_token_ids is not None:
+            return request.prompt_token_ids
         if (request.prompt_text is None) == (request.prompt_token_ids is None):
             raise RouterError(ErrorKind.INVALID_ARGUMENT, "give exactly one of text or token_ids", "prompt")
         prompt = tuple(self.tokenize(request.prompt_text)) if request.prompt_text is not None else request.prompt_token_ids
@@ -595,6 +598,8 @@ class Router:
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _observe_requests(self) -> None:
+        if self.observer.metrics is None:
+            return  # the count below walks every request: only for a served gauge
         queued = sum(1 for entry in self._requests.values() if entry.flow.state is GlobalState.QUEUED)
         self.observer.requests_in_router(len(self._requests), queued)
 

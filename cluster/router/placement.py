@@ -36,7 +36,7 @@ import logging
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Protocol
@@ -89,14 +89,13 @@ class Candidate:
 
     snapshot: InstanceSnapshot
     health: InstanceHealth = InstanceHealth.HEALTHY
+    # Copied out of the snapshot once: every decision reads them for every candidate.
+    instance_id: str = field(init=False, repr=False, compare=False)
+    load: EngineLoad = field(init=False, repr=False, compare=False)
 
-    @property
-    def instance_id(self) -> str:
-        return self.snapshot.instance_id
-
-    @property
-    def load(self) -> EngineLoad:
-        return self.snapshot.load
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "instance_id", self.snapshot.instance_id)
+        object.__setattr__(self, "load", self.snapshot.load)
 
 
 @dataclass(frozen=True)
@@ -160,9 +159,16 @@ class Policy(Protocol):
         overlap_blocks: Mapping[str, int],
     ) -> Placement: ...
 
+    def choose_eligible(
+        self, request: PlacementRequest, eligible: list[Candidate], overlap_blocks: Mapping[str, int]
+    ) -> Placement:
+        """`choose` on candidates already checked, healthy and in instance-id order."""
+        ...
 
-def _eligible(candidates: Sequence[Candidate], pool: str) -> list[Candidate]:
-    """The HEALTHY candidates in instance-id order (so every tie-break and sample is deterministic)."""
+
+def _in_id_order(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates checked (Candidates, each instance once) and in instance-id order, so that
+    every tie-break and sample is deterministic."""
     seen: set[str] = set()
     for candidate in candidates:
         if not isinstance(candidate, Candidate):
@@ -170,24 +176,41 @@ def _eligible(candidates: Sequence[Candidate], pool: str) -> list[Candidate]:
         if candidate.instance_id in seen:
             raise InvalidPlacementInput(f"instance {candidate.instance_id!r} appears twice")
         seen.add(candidate.instance_id)
-    eligible = sorted(
-        (c for c in candidates if c.health is InstanceHealth.HEALTHY), key=lambda c: c.instance_id
-    )
+    return sorted(candidates, key=_instance_id)
+
+
+def _instance_id(candidate: Candidate) -> str:
+    return candidate.instance_id
+
+
+def _healthy(ordered: list[Candidate], pool: str, total: int) -> list[Candidate]:
+    eligible = [c for c in ordered if c.health is InstanceHealth.HEALTHY]
     if not eligible:
-        raise NoInstanceAvailable(pool, f"none of {len(candidates)} candidate(s) is healthy")
+        raise NoInstanceAvailable(pool, f"none of {total} candidate(s) is healthy")
     return eligible
 
 
-def _scores(values: Mapping[str, float]) -> Mapping[str, float]:
-    return MappingProxyType(dict(sorted(values.items())))
+def _eligible(candidates: Sequence[Candidate], pool: str) -> list[Candidate]:
+    """The HEALTHY candidates in instance-id order (so every tie-break and sample is deterministic)."""
+    return _healthy(_in_id_order(candidates), pool, len(candidates))
 
 
-class RoundRobin:
-    name = "round_robin"
-    score_meaning = "turns until chosen (lower first)"
+def _check_overlap(overlap_blocks: Mapping[str, int]) -> None:
+    for instance_id, overlap in overlap_blocks.items():
+        if type(overlap) is not int or overlap < 0:
+            raise InvalidPlacementInput(f"overlap for {instance_id!r} must be an integer >= 0, got {overlap!r}")
 
-    def __init__(self, params: RoundRobinParams | None = None) -> None:
-        self._last_instance_id: str | None = None
+
+def _scores(values: dict[str, float]) -> Mapping[str, float]:
+    """Scores keyed in instance-id order (the policies build them from candidates in that order)."""
+    return MappingProxyType(values)
+
+
+class _Chooser:
+    """`choose` checks and orders the candidates, then `choose_eligible` decides; the Placer,
+    which has checked and ordered them once for both hops, calls `choose_eligible` directly."""
+
+    name: str
 
     def choose(
         self,
@@ -195,7 +218,25 @@ class RoundRobin:
         candidates: Sequence[Candidate],
         overlap_blocks: Mapping[str, int],
     ) -> Placement:
-        eligible = _eligible(candidates, "round-robin")
+        _check_overlap(overlap_blocks)
+        return self.choose_eligible(request, _eligible(candidates, self.name.replace("_", "-")), overlap_blocks)
+
+    def choose_eligible(
+        self, request: PlacementRequest, eligible: list[Candidate], overlap_blocks: Mapping[str, int]
+    ) -> Placement:
+        raise NotImplementedError
+
+
+class RoundRobin(_Chooser):
+    name = "round_robin"
+    score_meaning = "turns until chosen (lower first)"
+
+    def __init__(self, params: RoundRobinParams | None = None) -> None:
+        self._last_instance_id: str | None = None
+
+    def choose_eligible(
+        self, request: PlacementRequest, eligible: list[Candidate], overlap_blocks: Mapping[str, int]
+    ) -> Placement:
         ids = [c.instance_id for c in eligible]
         start = 0
         if self._last_instance_id is not None:
@@ -204,10 +245,11 @@ class RoundRobin:
             start = next((i for i, iid in enumerate(ids) if iid > self._last_instance_id), 0)
         order = ids[start:] + ids[:start]
         self._last_instance_id = order[0]
-        return Placement(order[0], self.name, _scores({iid: float(turn) for turn, iid in enumerate(order)}))
+        count = len(ids)
+        return Placement(order[0], self.name, _scores({iid: float((i - start) % count) for i, iid in enumerate(ids)}))
 
 
-class LeastLoaded:
+class LeastLoaded(_Chooser):
     name = "least_loaded"
     score_meaning = "Llumnix freeness (higher wins)"
 
@@ -218,15 +260,15 @@ class LeastLoaded:
     def freeness(load: EngineLoad) -> float:
         return (load.free_blocks - load.queued_prompt_blocks) / max(1, load.running_requests)
 
-    def choose(
-        self,
-        request: PlacementRequest,
-        candidates: Sequence[Candidate],
-        overlap_blocks: Mapping[str, int],
+    def choose_eligible(
+        self, request: PlacementRequest, eligible: list[Candidate], overlap_blocks: Mapping[str, int]
     ) -> Placement:
-        eligible = _eligible(candidates, "least-loaded")
-        scores = {c.instance_id: self.freeness(c.load) for c in eligible}
-        best = min(eligible, key=lambda c: (-scores[c.instance_id], c.instance_id))
+        scores = {}
+        best, best_score = eligible[0], -math.inf
+        for candidate in eligible:  # in id order: the first of equal scores wins
+            score = scores[candidate.instance_id] = self.freeness(candidate.load)
+            if score > best_score:
+                best, best_score = candidate, score
         return Placement(best.instance_id, self.name, _scores(scores))
 
 
@@ -252,7 +294,7 @@ def cached_blocks(request: PlacementRequest, instance_id: str, overlap_blocks: M
     return min(overlap, len(request.block_hashes))
 
 
-class KvAware:
+class KvAware(_Chooser):
     name = "kv_aware"
     score_meaning = "Dynamo cost in blocks (lower wins)"
 
@@ -263,32 +305,33 @@ class KvAware:
         self._rng = rng
 
     def cost(self, request: PlacementRequest, load: EngineLoad, cached: int) -> KvCost:
+        return KvCost(*self._terms(request, load, cached))
+
+    def _terms(self, request: PlacementRequest, load: EngineLoad, cached: int) -> tuple[int, int, int, float]:
+        """(uncached prompt blocks, active prefill blocks, decode blocks, cost) of one instance."""
         tokens_per_block = load.tokens_per_block
-        prompt_blocks = _blocks(request.prompt_tokens, tokens_per_block)
-        uncached = max(prompt_blocks - cached, 0)
-        active_prefill = load.queued_prompt_blocks
+        prompt_blocks = -(-request.prompt_tokens // tokens_per_block)
+        uncached = prompt_blocks - cached if prompt_blocks > cached else 0
+        active_prefill = -(-load.queued_prompt_tokens // tokens_per_block)
         if load.role is InstanceRole.PREFILL:
             # A prefill instance decodes nothing: what it holds is KV waiting to be handed over,
             # soon freed. Only charge memory when the prompt would not fit right now.
             decode = 0 if load.free_blocks >= prompt_blocks else prompt_blocks
         else:
-            decode = load.used_blocks + _blocks(request.prompt_tokens + request.expected_decode_tokens, tokens_per_block)
+            decode = (load.total_blocks - load.free_blocks) + -(
+                -(request.prompt_tokens + request.expected_decode_tokens) // tokens_per_block
+            )
         cost = self._params.prefill_weight * max(uncached + active_prefill, 0) + decode
-        return KvCost(uncached, active_prefill, decode, cost)
+        return uncached, active_prefill, decode, cost
 
-    def choose(
-        self,
-        request: PlacementRequest,
-        candidates: Sequence[Candidate],
-        overlap_blocks: Mapping[str, int],
+    def choose_eligible(
+        self, request: PlacementRequest, eligible: list[Candidate], overlap_blocks: Mapping[str, int]
     ) -> Placement:
-        eligible = _eligible(candidates, "kv-aware")
-        costs = {
-            c.instance_id: self.cost(
-                request, c.load, cached_blocks(request, c.instance_id, overlap_blocks)
-            ).cost
-            for c in eligible
-        }
+        chain = len(request.block_hashes)
+        costs = {}
+        for candidate in eligible:
+            cached = min(overlap_blocks.get(candidate.instance_id, 0), chain)
+            costs[candidate.instance_id] = self._terms(request, candidate.load, cached)[3]
         temperature = self._params.temperature
         if temperature > 0:
             assert self._rng is not None  # checked in __init__
@@ -297,7 +340,10 @@ class KvAware:
             weights = [math.exp(-(costs[c.instance_id] - lowest) / temperature) for c in eligible]
             chosen = self._rng.choices(eligible, weights=weights, k=1)[0]
         else:
-            chosen = min(eligible, key=lambda c: (costs[c.instance_id], c.instance_id))
+            chosen, lowest = eligible[0], math.inf
+            for candidate in eligible:  # in id order: the first of equal costs wins
+                if costs[candidate.instance_id] < lowest:
+                    chosen, lowest = candidate, costs[candidate.instance_id]
         return Placement(chosen.instance_id, self.name, _scores(costs))
 
 
@@ -414,23 +460,28 @@ class Placer:
         candidates: Sequence[Candidate],
         overlap_blocks: Mapping[str, int],
     ) -> PlacementPlan:
-        generation_pool = [c for c in candidates if c.load.role in _GENERATION_ROLES]
-        if not any(c.health is InstanceHealth.HEALTHY for c in generation_pool):
+        # Checked and ordered once for both hops; the policies take the healthy ones from here.
+        ordered = _in_id_order(candidates)
+        _check_overlap(overlap_blocks)
+        generation_pool = [c for c in ordered if c.load.role in _GENERATION_ROLES]
+        healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
+        if not healthy_generation:
             raise NoInstanceAvailable(
                 "generation",
                 f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
             )
-        generation = self._generation_policy.choose(request, generation_pool, overlap_blocks)
-        generation_snapshot = next(c.snapshot for c in generation_pool if c.instance_id == generation.instance_id)
+        generation = self._generation_policy.choose_eligible(request, healthy_generation, overlap_blocks)
+        generation_snapshot = next(c.snapshot for c in healthy_generation if c.instance_id == generation.instance_id)
         decision = self._disagg.decide(
             request, generation_snapshot, cached_blocks(request, generation.instance_id, overlap_blocks)
         )
         if not decision.disaggregate:
             return PlacementPlan(request.request_id, Route.COLOCATED, generation, generation, decision)
 
-        prefill_pool = [c for c in candidates if c.load.role is InstanceRole.PREFILL]
-        if any(c.health is InstanceHealth.HEALTHY for c in prefill_pool):
-            context = self._prefill_policy.choose(request, prefill_pool, overlap_blocks)
+        prefill_pool = [c for c in ordered if c.load.role is InstanceRole.PREFILL]
+        healthy_prefill = [c for c in prefill_pool if c.health is InstanceHealth.HEALTHY]
+        if healthy_prefill:
+            context = self._prefill_policy.choose_eligible(request, healthy_prefill, overlap_blocks)
             return PlacementPlan(request.request_id, Route.DISAGGREGATED, context, generation, decision)
 
         reason = f"{len(prefill_pool)} PREFILL instance(s) registered, none healthy"

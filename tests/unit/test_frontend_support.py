@@ -103,7 +103,9 @@ class FakeRouter:
         return list(text.encode("utf-8"))
 
     async def submit(self, request: ClientRequest) -> _Handle:
-        script = self.scripts.get(request.prompt_text or "", Script())
+        # The front end hands over token ids (it tokenized with tokenize() above: bytes).
+        text = request.prompt_text if request.prompt_text is not None else bytes(request.prompt_token_ids or ()).decode("utf-8", "replace")
+        script = self.scripts.get(text, Script())
         if script.submit_delay_s:
             await asyncio.sleep(script.submit_delay_s)
         with self._cond:

@@ -143,7 +143,8 @@ def _tokenize(text: str) -> list[int]:
 
 def test_defaults_of_an_unset_sampling_message() -> None:
     request = client_request_from_proto(pb.GenerateRequest(text="hi"), LIMITS, _tokenize)
-    assert request.prompt_text == "hi" and request.prompt_token_ids is None
+    # Tokenized and validated once, here: the router gets token ids.
+    assert request.prompt_token_ids == tuple(b"hi") and request.prompt_text is None and request.validated
     assert request.sampling.max_tokens == 16 and request.sampling.temperature == 1.0
     assert request.sampling.top_k == -1 and request.sampling.seed is None and request.sampling.skip_special_tokens
     assert request.priority == 0.5 and request.timeout_s is None and request.client_request_id is None
