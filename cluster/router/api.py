@@ -169,6 +169,20 @@ class RequestHandle(Protocol):
         ...
 
 
+async def collect(handle: RequestHandle) -> tuple[list[int], FinalEvent]:
+    """Every token of a submitted request's event stream, and its final event (tests and tools)."""
+    tokens: list[int] = []
+    final: FinalEvent | None = None
+    async for event in handle.events():
+        if isinstance(event, TokenEvent):
+            tokens.extend(event.token_ids)
+        else:
+            final = event
+    if final is None:
+        raise RuntimeError(f"the stream of {handle.request_id} ended without a final event")
+    return tokens, final
+
+
 class RouterAPI(Protocol):
     """What the gRPC front end needs from the router. All methods run on the router's event loop."""
 

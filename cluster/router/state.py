@@ -144,7 +144,7 @@ def is_legal(source: Node, target: Node) -> bool:
 
 
 @dataclass(frozen=True)
-class TimelineEntry:
+class Transition:
     """One transition: the state entered, on which route, when, on which instance, and why."""
 
     state: GlobalState
@@ -171,18 +171,18 @@ class RequestTimeline:
             raise ValueError("request_id must be a non-empty string")
         self._request_id = request_id
         self._clock = clock
-        self._entries: list[TimelineEntry] = [TimelineEntry(GlobalState.QUEUED, None, clock(), None, detail)]
+        self._entries: list[Transition] = [Transition(GlobalState.QUEUED, None, clock(), None, detail)]
 
     @property
     def request_id(self) -> str:
         return self._request_id
 
     @property
-    def entries(self) -> tuple[TimelineEntry, ...]:
+    def entries(self) -> tuple[Transition, ...]:
         return tuple(self._entries)
 
     @property
-    def current(self) -> TimelineEntry:
+    def current(self) -> Transition:
         return self._entries[-1]
 
     @property
@@ -208,7 +208,7 @@ class RequestTimeline:
         instance_id: str | None = None,
         route: Route | None = None,
         detail: str = "",
-    ) -> TimelineEntry:
+    ) -> Transition:
         """Enter `state`; raises IllegalTransition if the table forbids it or the request has ended.
 
         `route` must be given when it changes (placement into CONTEXT_WAIT, local recompute into
@@ -221,7 +221,7 @@ class RequestTimeline:
             raise IllegalTransition(self._request_id, source, target, "the request has already ended")
         if not is_legal(source, target):
             raise IllegalTransition(self._request_id, source, target, "not in the transition table")
-        entry = TimelineEntry(state, target_route, self._clock(), instance_id, detail)
+        entry = Transition(state, target_route, self._clock(), instance_id, detail)
         self._entries.append(entry)
         logger.debug(
             "request %s: %s -> %s on %s (%s)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.router.api import ClientRequest, FinalEvent, TokenEvent
+from cluster.router.api import ClientRequest, FinalEvent, collect
 from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
 from cluster.router.instance_client import LocalInstanceClient
@@ -98,19 +98,6 @@ class Cluster:
             if all(free == total for free, total in seen.values()) or loop.time() > deadline:
                 return seen
             await asyncio.sleep(0.05)
-
-
-async def collect(handle) -> tuple[list[int], FinalEvent]:
-    """Every token of a submitted request's event stream, and its final event."""
-    tokens: list[int] = []
-    final = None
-    async for event in handle.events():
-        if isinstance(event, TokenEvent):
-            tokens.extend(event.token_ids)
-        else:
-            final = event
-    assert final is not None
-    return tokens, final
 
 
 def run(coro):

@@ -8,7 +8,7 @@ import asyncio
 
 from scripted_instance import ScriptedInstance, until
 
-from cluster.router.api import ClientRequest, FinalEvent, Outcome, TokenEvent
+from cluster.router.api import ClientRequest, FinalEvent, Outcome, collect
 from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
 from worker.protocol import (
@@ -23,18 +23,6 @@ from worker.protocol import (
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
 from worker.tokenizer import ByteTokenizer
-
-
-async def collect_stream(handle) -> tuple[list[int], FinalEvent]:
-    tokens: list[int] = []
-    final = None
-    async for event in handle.events():
-        if isinstance(event, TokenEvent):
-            tokens.extend(event.token_ids)
-        else:
-            final = event
-    assert final is not None
-    return tokens, final
 
 
 async def started_router(config: RouterConfig, *instances: ScriptedInstance) -> Router:
@@ -114,7 +102,7 @@ def test_reprefill_elsewhere_without_another_prefill_instance_falls_through_to_r
         try:
             for item in instances:
                 await router.add_instance(LocalInstanceClient(item))
-            return await collect_stream(await router.submit(ClientRequest(None, prompt, params, client_request_id="r")))
+            return await collect(await router.submit(ClientRequest(None, prompt, params, client_request_id="r")))
         finally:
             await router.stop()
             for item in instances:
