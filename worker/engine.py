@@ -563,7 +563,7 @@ class Engine:
         self._maybe_hold(tracked)
 
     def _record(self, tracked: _Tracked, state: LlmRequestState, detail: str) -> None:
-        event = StateEvent(tracked.submit.request_id, state.name, self._clock(), detail)
+        event = StateEvent(tracked.submit.request_id, state, self._clock(), detail)
         tracked.timeline.append(event)
         self._events.append(event)
 

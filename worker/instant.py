@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_hash import block_hash_chain
 from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.ids import new_transfer_id
 from worker.protocol import (
@@ -180,7 +181,7 @@ class InstantInstance:
             blocks = -(-len(submit.context_token_ids) // self.info.layout.tokens_per_block)
             self._mail.reservations.append(ReservationNotice(submit.request_id, request.transfer_id, blocks, now + 60.0))
         else:
-            self._mail.events.append(StateEvent(submit.request_id, "CONTEXT_INIT", now, EVENT_PREFILL_STARTED))
+            self._mail.events.append(StateEvent(submit.request_id, LlmRequestState.CONTEXT_INIT, now, EVENT_PREFILL_STARTED))
             self._store_prefix(submit)
             if kind is RequestType.CONTEXT_ONLY:
                 request.context_done = True
@@ -212,7 +213,7 @@ class InstantInstance:
             return False
         del self._by_transfer[transfer_id]
         submit = self._requests[request_id].submit
-        self._mail.events.append(StateEvent(request_id, "DISAGG_GENERATION_TRANS_COMPLETE", self._clock(), "KV received"))
+        self._mail.events.append(StateEvent(request_id, LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE, self._clock(), "KV received"))
         self._generate_rest(submit, len(submit.output_token_ids))
         self._wake()
         return True

@@ -40,6 +40,7 @@ import msgspec
 from scheduler.block_hash import BLOCK_HASH_BYTES
 from scheduler.block_manager import PrefixEvent
 from scheduler.config import NamedEnum
+from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
 from worker.sampler_types import SampleLogprobs
@@ -222,7 +223,7 @@ class StateEvent(_Message):
     """A local state transition (the router mirrors these in its global state machine)."""
 
     request_id: str
-    state: str  # an LlmRequestState name
+    state: LlmRequestState  # the request's local state (TensorRT-LLM's numbering, scheduler/state.py)
     time_s: float
     detail: str = ""
 

@@ -64,6 +64,7 @@ from cluster.router.state import (
     Route,
     global_states_for_local,
 )
+from scheduler.state import LlmRequestState
 from worker.protocol import (
     EVENT_PREFILL_STARTED,
     ErrorCode,
@@ -86,7 +87,9 @@ _LOCAL_TYPES = {
     Phase.COLOCATED: LocalRequestType.CONTEXT_AND_GENERATION,
 }
 # Local states that end a hop; the hop's outputs, not its state events, say how it ended.
-_ENDING_STATES = frozenset({"GENERATION_COMPLETE", "DISAGG_TRANS_ERROR", "DISAGG_CONTEXT_COMPLETE"})
+_ENDING_STATES = frozenset(
+    {LlmRequestState.GENERATION_COMPLETE, LlmRequestState.DISAGG_TRANS_ERROR, LlmRequestState.DISAGG_CONTEXT_COMPLETE}
+)
 
 
 class FleetView(Protocol):
@@ -224,7 +227,7 @@ class RequestFlow:
             self._start(actions, fleet, Phase.COLOCATED, plan.generation.instance_id)
 
     # --- reports from instances ---------------------------------------------------------------------
-    def on_state(self, attempt: Attempt, role: InstanceRole, local_state: str, detail: str, now_s: float) -> list[Action]:
+    def on_state(self, attempt: Attempt, role: InstanceRole, local_state: LlmRequestState, detail: str, now_s: float) -> list[Action]:
         """A local state event of a live hop."""
         self._now_s = now_s
         actions: list[Action] = []
@@ -233,15 +236,15 @@ class RequestFlow:
         current = self.state
         if detail == EVENT_PREFILL_STARTED and current is GlobalState.CONTEXT_WAIT and attempt.phase is not Phase.GENERATION:
             self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
-        elif local_state == "DISAGG_GENERATION_TRANS_COMPLETE" and attempt.phase is Phase.GENERATION:
+        elif local_state is LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE and attempt.phase is Phase.GENERATION:
             if current is GlobalState.TRANSMISSION:
                 actions.append(NoteTransfer(TransferNote.COMMITTED))
                 self._transition(GlobalState.GENERATING, attempt.instance_id, "KV received and verified")
         if not self._consistent(attempt, role, local_state):
-            actions.append(NoteInconsistent(self.request_id, attempt.instance_id, local_state, self.state.name))
+            actions.append(NoteInconsistent(self.request_id, attempt.instance_id, local_state.name, self.state.name))
         return actions
 
-    def _consistent(self, attempt: Attempt, role: InstanceRole, local_state: str) -> bool:
+    def _consistent(self, attempt: Attempt, role: InstanceRole, local_state: LlmRequestState) -> bool:
         """Whether the global view can be in, or move to, what an instance reports."""
         if attempt.recompute or local_state in _ENDING_STATES:
             return True  # a recompute replays states out of the usual order; ends are judged by outputs

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 
+from scheduler.state import LlmRequestState
 from worker.protocol import REQUEST_TYPES_BY_ROLE, InstanceRole, RequestType
 
 logger = logging.getLogger(__name__)
@@ -256,8 +257,8 @@ class RoleMismatch(ValueError):
     """An instance reported running a request half that its role never runs."""
 
 
-# Names as in scheduler's LlmRequestState (TensorRT-LLM); kept as strings so this module does not
-# depend on the scheduler package.
+# The local states by name (scheduler/state.py's LlmRequestState, TensorRT-LLM's numbering): the
+# tables below read best by name; global_states_for_local also takes the enum members instances report.
 LOCAL_STATE_NAMES = frozenset(
     {
         "ENCODER_INIT",
@@ -342,7 +343,7 @@ def request_type_for(route: Route, role: InstanceRole) -> RequestType:
 
 
 def global_states_for_local(
-    local_state: str, role: InstanceRole, request_type: RequestType | None = None
+    local_state: LlmRequestState | str, role: InstanceRole, request_type: RequestType | None = None
 ) -> frozenset[GlobalState]:
     """The global states a request can be in when an instance of `role` reports `local_state` for it.
 
@@ -353,6 +354,8 @@ def global_states_for_local(
     (for example GENERATION_IN_PROGRESS on a context-only request). Without `request_type`, the union
     over every half `role` may run.
     """
+    if isinstance(local_state, LlmRequestState):
+        local_state = local_state.name
     if local_state not in LOCAL_STATE_NAMES:
         raise UnknownLocalState(f"{local_state!r} is not a local request state")
     allowed = REQUEST_TYPES_BY_ROLE[role]

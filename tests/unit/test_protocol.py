@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
 from worker.protocol import (
@@ -103,7 +104,7 @@ BATCH = PollBatch(
     incarnation="inc",
     sequence=9,
     outputs=(OUTPUT, RequestOutput("r.c1", (), "")),
-    events=(StateEvent("r.p1", "CONTEXT_INIT", 1.5, "prefill started"),),
+    events=(StateEvent("r.p1", LlmRequestState.CONTEXT_INIT, 1.5, "prefill started"),),
     reservations=(ReservationNotice("r.g1", "t-1", 4, 99.0),),
     push_results=(PushResult("r.p1", "t-1", False, "INTERNAL", "boom", 10, 0.5),),
     load=make_load(),

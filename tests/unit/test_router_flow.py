@@ -31,6 +31,7 @@ from cluster.router.config import RecoveryAction, RouterConfig
 from cluster.router.fleet import Fleet
 from cluster.router.flow import Attempt, RequestFlow
 from cluster.router.state import GlobalState, Route
+from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.protocol import (
     ErrorCode,
@@ -169,14 +170,14 @@ def to_state(state: GlobalState, route: Route = Route.DISAGGREGATED, fleet: Flee
         return run
     if route is Route.COLOCATED:
         hop = run.hop(Phase.COLOCATED)
-        run.apply(lambda f, t, fl: f.on_state(hop, InstanceRole.GENERATION, "CONTEXT_INIT", "prefill started", t))
+        run.apply(lambda f, t, fl: f.on_state(hop, InstanceRole.GENERATION, LlmRequestState.CONTEXT_INIT, "prefill started", t))
         if state is S.CONTEXT_IN_PROGRESS:
             return run
         run.apply(lambda f, t, fl: f.on_output(hop, output(hop, (5,)), t, fl))
         assert state is S.GENERATING
         return run
     prefill = run.hop(Phase.PREFILL)
-    run.apply(lambda f, t, fl: f.on_state(prefill, InstanceRole.PREFILL, "CONTEXT_INIT", "prefill started", t))
+    run.apply(lambda f, t, fl: f.on_state(prefill, InstanceRole.PREFILL, LlmRequestState.CONTEXT_INIT, "prefill started", t))
     if state is S.CONTEXT_IN_PROGRESS:
         return run
     run.apply(lambda f, t, fl: f.on_output(prefill, output(prefill, (5,), context_done=True), t, fl))
@@ -186,7 +187,7 @@ def to_state(state: GlobalState, route: Route = Route.DISAGGREGATED, fleet: Flee
     run.apply(lambda f, t, fl: f.on_reservation(generation, ReservationNotice(generation.engine_id, "t" * 24, 1, 1e12), t, fl))
     if state is S.TRANSMISSION:
         return run
-    run.apply(lambda f, t, fl: f.on_state(generation, InstanceRole.GENERATION, "DISAGG_GENERATION_TRANS_COMPLETE", "", t))
+    run.apply(lambda f, t, fl: f.on_state(generation, InstanceRole.GENERATION, LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE, "", t))
     assert state is S.GENERATING
     return run
 
@@ -441,7 +442,7 @@ def test_reports_of_a_retired_hop_are_ignored() -> None:
     assert run.hop(Phase.GENERATION).engine_id == "r.g2"
     for late in (
         lambda f, t, fl: f.on_output(old, output(old, (1,), finished=True, finish_reason=FinishReason.LENGTH), t, fl),
-        lambda f, t, fl: f.on_state(old, InstanceRole.GENERATION, "DISAGG_GENERATION_TRANS_COMPLETE", "", t),
+        lambda f, t, fl: f.on_state(old, InstanceRole.GENERATION, LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE, "", t),
         lambda f, t, fl: f.on_reservation(old, ReservationNotice(old.engine_id, "u" * 24, 1, 1e12), t, fl),
     ):
         assert run.apply(late) == []
@@ -451,7 +452,7 @@ def test_reports_of_a_retired_hop_are_ignored() -> None:
 def test_an_inconsistent_report_is_noted() -> None:
     run = to_state(S.CONTEXT_WAIT)
     prefill = run.hop(Phase.PREFILL)
-    out = run.apply(lambda f, t, fl: f.on_state(prefill, InstanceRole.PREFILL, "GENERATION_IN_PROGRESS", "", t))
+    out = run.apply(lambda f, t, fl: f.on_state(prefill, InstanceRole.PREFILL, LlmRequestState.GENERATION_IN_PROGRESS, "", t))
     assert [type(a).__name__ for a in out] == ["NoteInconsistent"]
 
 

@@ -11,6 +11,7 @@ from scripted_instance import ScriptedInstance, until
 from cluster.router.api import ClientRequest, FinalEvent, Outcome, collect
 from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
+from scheduler.state import LlmRequestState
 from worker.protocol import (
     ErrorCode,
     InstanceRole,
@@ -213,7 +214,7 @@ def test_a_push_that_fails_after_the_receiver_committed_does_not_undo_the_hand_o
         router = await started_router(config, prefill, generation)
         try:
             handle = await to_the_push(router, prefill, generation)
-            generation.report(events=(StateEvent("r.g1", "DISAGG_GENERATION_TRANS_COMPLETE", 0.0, "KV received"),))
+            generation.report(events=(StateEvent("r.g1", LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE, 0.0, "KV received"),))
             await until(lambda: router.get_request("r").state == "GENERATING")
             # The sender's connection broke after the commit: its push result says failed.
             prefill.report(push_results=(PushResult("r.p1", "t-1", False, "PEER_UNAVAILABLE", "Channel closed!", 0, 0.0),))
