@@ -81,6 +81,16 @@ class _Entry:
     engine_ids: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Ended:
+    """What the router keeps of an ended request: its view for GetRequest, and its hop numbers (a
+    client's name used again continues them). Plain values: a few objects per request, not its
+    flow and stream (the router keeps thousands of these)."""
+
+    view: RequestView
+    attempt_numbers: tuple[tuple[object, int], ...]
+
+
 class _Handle:
     def __init__(self, entry: _Entry) -> None:
         self.request_id = entry.flow.request_id
@@ -126,7 +136,7 @@ class Router:
         self.timeline_log = timeline_log
         self._requests: dict[str, _Entry] = {}
         self._by_client_id: dict[str, str] = {}
-        self._ended: dict[str, _Entry] = {}  # recently ended, for GetRequest
+        self._ended: dict[str, _Ended] = {}  # recently ended, for GetRequest
         self._hops: dict[str, tuple[_Entry, Attempt]] = {}  # engine id -> its request and hop
         # A hop's submit and stop never race on the instance: a stop of a hop whose submit has not
         # gone out is dropped (the submit will not go out either), a stop of a hop whose submit is
@@ -225,7 +235,7 @@ class Router:
             deadline_s=None if request.timeout_s is None else now + request.timeout_s,
             now_s=now,
             config=self.config,
-            attempt_numbers=previous.flow.attempt_numbers if previous is not None else None,
+            attempt_numbers=Counter(dict(previous.attempt_numbers)) if previous is not None else None,
             on_illegal=self.observer.illegal,
         )
         entry = _Entry(flow, asyncio.Queue(maxsize=self.config.admission.max_buffered_events))
@@ -238,6 +248,8 @@ class Router:
 
     async def abort(self, request_id: str | None = None, client_request_id: str | None = None) -> tuple[bool, str]:
         entry = self._lookup(request_id, client_request_id)
+        if isinstance(entry, _Ended):
+            return False, entry.view.state
         flow = entry.flow
         if flow.ended:
             return False, flow.state.name
@@ -246,7 +258,12 @@ class Router:
         return True, flow.state.name
 
     def get_request(self, request_id: str | None = None, client_request_id: str | None = None) -> RequestView:
-        flow = self._lookup(request_id, client_request_id).flow
+        entry = self._lookup(request_id, client_request_id)
+        if isinstance(entry, _Ended):
+            return entry.view
+        return self._view(entry.flow)
+
+    def _view(self, flow: RequestFlow) -> RequestView:
         return RequestView(
             request_id=flow.request_id,
             client_request_id=flow.client_request_id,
@@ -381,7 +398,7 @@ class Router:
             del self._by_client_id[flow.client_request_id]
         for engine_id in entry.engine_ids:
             self._hops.pop(engine_id, None)  # late reports of its hops are ignored
-        self._ended[flow.request_id] = entry
+        self._ended[flow.request_id] = _Ended(self._view(flow), tuple(flow.attempt_numbers.items()))
         while len(self._ended) > ENDED_REQUESTS_KEPT:
             self._ended.pop(next(iter(self._ended)))
         self._observe_requests()
@@ -606,12 +623,12 @@ class Router:
     def _wall(self, monotonic_s: float) -> float:
         return monotonic_s + self._wall_offset_s
 
-    def _lookup(self, request_id: str | None, client_request_id: str | None) -> _Entry:
+    def _lookup(self, request_id: str | None, client_request_id: str | None) -> _Entry | _Ended:
         if request_id is None and client_request_id is not None:
             request_id = self._by_client_id.get(client_request_id)
             if request_id is None:
                 ended = self._ended.get(client_request_id)
-                if ended is not None and ended.flow.client_request_id == client_request_id:
+                if ended is not None and ended.view.client_request_id == client_request_id:
                     return ended
         entry = self._requests.get(request_id or "") or self._ended.get(request_id or "")
         if entry is None:

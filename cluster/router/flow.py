@@ -160,7 +160,10 @@ class RequestFlow:
         self._now_s = now_s
         self._config = config
         self._on_illegal = on_illegal
-        self.timeline = RequestTimeline(request_id, clock=lambda: self._now_s)
+        # Time is an input: every transition is stamped with the event's time (`_now_s`). The
+        # timeline's own clock only stamps its first entry (no reference back to this flow: a
+        # cycle would leave every ended request to the cyclic garbage collector).
+        self.timeline = RequestTimeline(request_id, clock=lambda: now_s)
         self.outputs: list[int] = []
         self.cached_tokens = 0
         self.prefill: Attempt | None = None
@@ -435,7 +438,7 @@ class RequestFlow:
             GlobalState.TRANSMISSION: timeouts.transfer_s,
             GlobalState.GENERATING: timeouts.generation_s,
         }.get(state)
-        if limit is None or self.timeline.time_in_state_s() < limit:
+        if limit is None or self.timeline.time_in_state_s(now_s) < limit:
             return actions
         in_handover = state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION, GlobalState.GENERATING)
         attempt = self.generation if in_handover else self.prefill
@@ -607,7 +610,7 @@ class RequestFlow:
 
     def _transition(self, state: GlobalState, instance_id: str | None, detail: str, route: Route | None = None) -> None:
         try:
-            self.timeline.transition(state, instance_id=instance_id, route=route, detail=detail)
+            self.timeline.transition(state, instance_id=instance_id, route=route, detail=detail, at_s=self._now_s)
         except IllegalTransition as error:
             if self._on_illegal is not None:
                 self._on_illegal(f"{error}\n{''.join(traceback.format_stack(limit=20))}")

@@ -46,9 +46,30 @@ class PrefixIndex:
     """Block hash -> instances holding it, and the reverse, kept in step."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
+        # Holders as a bit mask over instance slots, not a set of ids: an int per block is no
+        # container for the cyclic garbage collector to walk (a router holds 100,000s of blocks).
+        self._holders: dict[int, int] = {}
         self._blocks: dict[str, set[int]] = {}
         self._last_sequence: dict[str, int] = {}
+        self._slots: dict[str, int] = {}  # instance id -> its bit
+        self._ids: list[str | None] = []  # bit -> instance id (None: free)
+
+    def _bit(self, instance_id: str) -> int:
+        slot = self._slots.get(instance_id)
+        if slot is None:
+            slot = self._ids.index(None) if None in self._ids else len(self._ids)
+            if slot == len(self._ids):
+                self._ids.append(instance_id)
+            else:
+                self._ids[slot] = instance_id
+            self._slots[instance_id] = slot
+        return 1 << slot
+
+    def _holder_ids(self, mask: int):
+        while mask:
+            low = mask & -mask
+            yield self._ids[low.bit_length() - 1]
+            mask ^= low
 
     def apply(self, snapshot: InstanceSnapshot) -> ApplyOutcome:
         """Fold one snapshot's prefix events into the index (see the module docstring for the rules)."""
@@ -78,19 +99,23 @@ class PrefixIndex:
             outcome = ApplyOutcome.APPLIED
         self._last_sequence[instance_id] = snapshot.sequence
         blocks = self._blocks.setdefault(instance_id, set())
+        bit = self._bit(instance_id)
+        holders = self._holders
         for event in load.prefix_events:
             block_hash = event.block_hash
             if event.kind is PrefixEventKind.STORED:
                 blocks.add(block_hash)
-                self._holders.setdefault(block_hash, set()).add(instance_id)
+                holders[block_hash] = holders.get(block_hash, 0) | bit
             else:
                 # Removing an unknown block is normal after a gap or a reset.
                 blocks.discard(block_hash)
-                holders = self._holders.get(block_hash)
-                if holders is not None:
-                    holders.discard(instance_id)
-                    if not holders:
-                        del self._holders[block_hash]
+                mask = holders.get(block_hash)
+                if mask is not None:
+                    mask &= ~bit
+                    if mask:
+                        holders[block_hash] = mask
+                    else:
+                        del holders[block_hash]
         if len(blocks) > load.total_blocks:
             logger.warning(
                 "instance %s: index holds %d blocks but its pool has %d; removal events were lost, clearing",
@@ -110,20 +135,19 @@ class PrefixIndex:
         result: dict[str, int] = {}
         if not block_hashes:
             return result
-        active = set(self._holders.get(block_hashes[0], ()))
+        holders = self._holders
+        active = holders.get(block_hashes[0], 0)
         depth = 0
         for block_hash in block_hashes:
-            holders = self._holders.get(block_hash)
-            if holders is None:
-                break
-            dropped = [instance_id for instance_id in active if instance_id not in holders]
-            for instance_id in dropped:
-                active.discard(instance_id)
-                result[instance_id] = depth
+            dropped = active & ~holders.get(block_hash, 0)
+            if dropped:
+                for instance_id in self._holder_ids(dropped):
+                    result[instance_id] = depth
+                active ^= dropped
             if not active:
                 break
             depth += 1
-        for instance_id in active:
+        for instance_id in self._holder_ids(active):
             result[instance_id] = depth
         return {instance_id: depth for instance_id, depth in result.items() if depth > 0}
 
@@ -132,6 +156,9 @@ class PrefixIndex:
         self._clear(instance_id)
         self._blocks.pop(instance_id, None)
         self._last_sequence.pop(instance_id, None)
+        slot = self._slots.pop(instance_id, None)
+        if slot is not None:
+            self._ids[slot] = None
 
     def instance_ids(self) -> frozenset[str]:
         return frozenset(self._last_sequence)
@@ -140,7 +167,8 @@ class PrefixIndex:
         return len(self._blocks.get(instance_id, ()))
 
     def holds(self, instance_id: str, block_hash: int) -> bool:
-        return instance_id in self._holders.get(block_hash, ())
+        slot = self._slots.get(instance_id)
+        return slot is not None and bool(self._holders.get(block_hash, 0) >> slot & 1)
 
     def last_sequence(self, instance_id: str) -> int | None:
         return self._last_sequence.get(instance_id)
@@ -149,9 +177,12 @@ class PrefixIndex:
         blocks = self._blocks.get(instance_id)
         if not blocks:
             return
+        keep = ~self._bit(instance_id)
+        holders = self._holders
         for block_hash in blocks:
-            holders = self._holders[block_hash]
-            holders.discard(instance_id)
-            if not holders:
-                del self._holders[block_hash]
+            mask = holders[block_hash] & keep
+            if mask:
+                holders[block_hash] = mask
+            else:
+                del holders[block_hash]
         blocks.clear()

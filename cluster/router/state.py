@@ -209,11 +209,13 @@ class RequestTimeline:
         instance_id: str | None = None,
         route: Route | None = None,
         detail: str = "",
+        at_s: float | None = None,
     ) -> Transition:
         """Enter `state`; raises IllegalTransition if the table forbids it or the request has ended.
 
         `route` must be given when it changes (placement into CONTEXT_WAIT, local recompute into
         GENERATING); otherwise the current route is kept. Entering QUEUED always clears the route.
+        `at_s` is the time of the transition (default: the injected clock's now).
         """
         source = self.node
         target_route = None if state is GlobalState.QUEUED else (route if route is not None else self.route)
@@ -222,7 +224,7 @@ class RequestTimeline:
             raise IllegalTransition(self._request_id, source, target, "the request has already ended")
         if not is_legal(source, target):
             raise IllegalTransition(self._request_id, source, target, "not in the transition table")
-        entry = Transition(state, target_route, self._clock(), instance_id, detail)
+        entry = Transition(state, target_route, self._clock() if at_s is None else at_s, instance_id, detail)
         self._entries.append(entry)
         logger.debug(
             "request %s: %s -> %s on %s (%s)",
@@ -241,9 +243,9 @@ class RequestTimeline:
                 return entry.timestamp_s
         return None
 
-    def time_in_state_s(self) -> float:
-        """Seconds since the current state was entered, by the injected clock."""
-        return self._clock() - self._entries[-1].timestamp_s
+    def time_in_state_s(self, now_s: float | None = None) -> float:
+        """Seconds since the current state was entered, until `now_s` (default: the injected clock's now)."""
+        return (self._clock() if now_s is None else now_s) - self._entries[-1].timestamp_s
 
 
 # --- Correspondence with the instances' local (TensorRT-LLM) request states ---------------------
