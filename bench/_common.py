@@ -1,4 +1,5 @@
-"""Shared bits of the benchmarks: the DESIGN.md §8 result envelope and table printing."""
+"""Shared bits of the benchmarks: the result envelope (docs/architecture.md, "Benchmarks") and table
+printing."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def emit_result(bench: str, figures: dict[str, Any], targets: dict[str, Target]) -> None:
-    """The very last stdout line: one JSON object (DESIGN.md §8)."""
+    """The very last stdout line: one JSON object (docs/architecture.md, "Benchmarks")."""
     print(
         json.dumps(
             {

@@ -1,13 +1,13 @@
 """The chaos soak as a benchmark: the same run, table and JSON line as `duet chaos`.
 
-    python bench/chaos_soak.py                       # 1,000 requests (the note's full run)
+    python bench/chaos_soak.py                       # 1,000 requests (the full run)
     python bench/chaos_soak.py --quick               # a few dozen requests, more faults, 2 kills (CI smoke)
     python bench/chaos_soak.py --requests 300 --seed 3 --json-out soak.json
 
-Progress on stderr; the report table on stdout and, as the very last stdout line, the DESIGN.md §8
-JSON object {"bench": "chaos_soak", "figures": {...}, "targets": {lost, leaked_blocks,
-token_mismatches, illegal_transitions: target 0}}. Exit status 0 only when all four are 0.
-Every other flag is `duet chaos`'s (cluster/cli/chaos.py); flags given after --quick win.
+Progress on stderr; the report table on stdout and, as the very last stdout line, the JSON object of
+docs/architecture.md, "Benchmarks": {"bench": "chaos_soak", "figures": {...}, "targets": {lost,
+leaked_blocks, token_mismatches, illegal_transitions: target 0}}. Exit status 0 only when all four
+are 0. Every other flag is `duet chaos`'s (cluster/cli/chaos.py); flags given after --quick win.
 """
 
 from __future__ import annotations

@@ -79,7 +79,8 @@ class BlockManagerConfig:
 
     @property
     def max_token_num(self) -> int:
-        """The most tokens one sequence can hold in the window (spec §4.4 maxTokenNum(W))."""
+        """The most tokens one sequence can hold in the window (the limit TensorRT-LLM
+        cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp getNeededBlocksOneStep checks)."""
         extra = (
             self.tokens_per_block
             if self.effective_max_seq_len > self.max_attention_window and self.max_beam_width > 1
@@ -558,7 +559,8 @@ class BlockManager:
         for block in reversed(sequence.distinct_blocks()):
             self._release(block)
 
-    # --- block estimates (spec §4.4) ----------------------------------------------------------
+    # --- block estimates (TensorRT-LLM kvCacheManager.cpp: getRemainingBlocksToCompletion,
+    # getNeededBlocksOneStep) ----------------------------------------------------------------
     def remaining_blocks_to_completion(self, request: LlmRequest) -> int:
         """Blocks the request still needs to run to completion (GUARANTEED_NO_EVICT, STATIC_BATCH)."""
         request.estimated_reusable_tokens = 0

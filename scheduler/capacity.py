@@ -1,4 +1,5 @@
-"""The capacity scheduler: which requests may hold KV memory this step (spec §4).
+"""The capacity scheduler: which requests may hold KV memory this step (TensorRT-LLM
+cpp/tensorrt_llm/batch_manager/capacityScheduler.cpp).
 
 Policies: MaxRequests (no KV manager), GUARANTEED_NO_EVICT (reserve to completion), STATIC_BATCH
 (the same, but new work only starts when nothing is generating) and MAX_UTILIZATION (reserve one
@@ -12,7 +13,7 @@ Prefix-aware skipping: a first-chunk context request whose first missing prompt 
 as that of a request already admitted this pass (or of a chunked prefill already running) is
 skipped this step: once the earlier one stores its blocks, this one reuses them instead of
 computing the same KV twice. The check is pure; a request's key is registered only once it has
-been admitted (DESIGN.md §2).
+been admitted (docs/architecture.md, "The local scheduler").
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _split(
 
 
 class _PrefixSkipper:
-    """The set C of spec §4.5, built lazily: most steps never need it.
+    """The set C of TensorRT-LLM's prefix-aware skipping (capacityScheduler.cpp; the keys are
+    kvCacheManager.cpp findNewContextBlock's), built lazily: most steps never need it.
 
     C starts with the keys of the contexts already started (chunked prefills running) anywhere in
     the active list. Building it scans the list, as long as a step's other work on the generating
@@ -514,7 +516,8 @@ def make_capacity_scheduler(
     until: LlmRequestState = S.CONTEXT_INIT,
     after: LlmRequestState = S.GENERATION_COMPLETE,
 ) -> CapacityScheduler:
-    """Policy selection (spec §4): without a KV manager it is MaxRequests, whatever was asked."""
+    """Policy selection, as TensorRT-LLM's CapacityScheduler constructor (capacityScheduler.cpp)
+    makes it: without a KV manager it is MaxRequests, whatever was asked."""
     if kv is None:
         return MaxRequestsScheduler(max_num_requests, until=until, after=after)
     if policy is CapacitySchedulerPolicy.MAX_UTILIZATION:

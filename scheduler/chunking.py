@@ -1,4 +1,6 @@
-"""Context chunking policies and draft-token fitting (spec §5.1, §5.2).
+"""Context chunking policies and draft-token fitting (TensorRT-LLM
+cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp: MicroBatchScheduler::setCtxRequestsChunkSize,
+MicroBatchScheduler::fitDraftTokens).
 
 `capacity` is the compute-token budget left for context chunks (None = unlimited), `unit` the chunk
 unit. Only a request's first chunk gets reuse credit (its estimated reusable tokens).
@@ -30,7 +32,8 @@ def reusable_tokens(request: LlmRequest) -> int:
 
 
 def _prefix_credit_cost(chunk: int, reusable: int) -> int:
-    # C++ EQUAL_PROGRESS charges only the tokens beyond the reusable prefix (spec §5.3).
+    # C++ EQUAL_PROGRESS charges only the tokens beyond the reusable prefix (microBatchScheduler.cpp,
+    # setCtxRequestsChunkSize for kEQUAL_PROGRESS).
     return max(0, chunk - min(reusable, chunk))
 
 
@@ -158,7 +161,8 @@ def chunk_contexts(
     max_context_length: int | None,
     has_draft_tokens: bool | None = None,
 ) -> None:
-    """Spec §5 step 8: reset every chunk to 0, run the policy, then fit the draft tokens."""
+    """What MicroBatchScheduler::operator() (microBatchScheduler.cpp) does when not every context fits:
+    reset every chunk to 0, run the policy, then fit the draft tokens."""
     for request in requests:
         state = request.state
         if state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS:

@@ -1,4 +1,5 @@
-"""The micro-batch scheduler: this step's batch from the admitted requests (spec §5).
+"""The micro-batch scheduler: this step's batch from the admitted requests (TensorRT-LLM
+cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp, MicroBatchScheduler::operator()).
 
 Limits: max batch size (requests), max num tokens (compute tokens, None = unlimited), max context
 length; context chunking with EQUAL_PROGRESS / FIRST_COME_FIRST_SERVED / FORCE_CHUNK; reuse-adjusted

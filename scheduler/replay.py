@@ -2,7 +2,8 @@
 
     python -m scheduler.replay [FILE ...]      (default: the repo's copy of the cases)
 
-Implements each harness of the case format (shared reference README, "The case format") and
+Implements each harness of the case format (the `harness_descriptions` of
+scheduler/cases/scheduler_cases.json) and
 nothing more. Prints `PASS name` or `FAIL name: what differed` per case, then `N passed, M failed`.
 Exit status: 0 if all pass, 1 if any fail, 2 for an unreadable file or an unknown harness.
 Needs nothing but the standard library.

@@ -26,7 +26,9 @@ class LlmRequestState(IntEnum):
     DISAGG_GENERATION_WAIT_TOKENS = 23
     DISAGG_TRANS_ERROR = -1
 
-    # Predicates: these, not raw equality, drive scheduling decisions (spec §1).
+    # Predicates: these, not raw equality, drive scheduling decisions (TensorRT-LLM
+    # cpp/include/tensorrt_llm/batch_manager/llmRequest.h: isContextInitState,
+    # isGenerationInProgressState, ...).
     @property
     def is_context_init(self) -> bool:
         return self is S.CONTEXT_INIT or self is S.DISAGG_CONTEXT_INIT_AND_TRANS

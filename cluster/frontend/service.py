@@ -10,12 +10,12 @@ Besides Duet it serves the standard `grpc.health.v1.Health` service (SERVING for
 "duet_wire.v1.Duet" until `set_serving(False)`) and server reflection, so grpcurl and
 grpc_health_probe work against it.
 
-Edge rules (DESIGN.md §6.7): every Generate request is parsed and validated here, before the
-router is called, and bad input ends with INVALID_ARGUMENT naming the field by its protobuf path
-("sampling.top_p: must be in (0, 1], got 1.5"). Requests that fail to parse are INVALID_ARGUMENT
-too. Client errors (bad input, unknown ids, failed authentication) never reach the router, so
-they can never count against an instance's health. Messages larger than `max_message_bytes` are
-refused by gRPC itself with RESOURCE_EXHAUSTED.
+Edge rules (docs/architecture.md, "Invariants"): every Generate request is parsed and validated
+here, before the router is called, and bad input ends with INVALID_ARGUMENT naming the field by its
+protobuf path ("sampling.top_p: must be in (0, 1], got 1.5"). Requests that fail to parse are
+INVALID_ARGUMENT too. Client errors (bad input, unknown ids, failed authentication) never reach the
+router, so they can never count against an instance's health. Messages larger than
+`max_message_bytes` are refused by gRPC itself with RESOURCE_EXHAUSTED.
 
 Unknown protobuf fields are ignored, as protobuf does: a newer client that sets a field this
 server does not know gets the behaviour of the fields it does know (proto3 forward

@@ -27,7 +27,7 @@ A request may also complete straight from CONTEXT_IN_PROGRESS: its first token (
 prefill step) can be its last (max_tokens == 1, or a stop token).
 
 Terminal states are COMPLETE, ERROR and ABORTED; a timeline accepts nothing after one, so every
-request ends exactly once (DESIGN.md §6.1, §6.6).
+request ends exactly once (docs/architecture.md, "Invariants").
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """One test per fault and per disaggregated state it can hit, on a real local Ray cluster through the
 gRPC client API (tiny built-in model, fp32).
 
-Every test asserts the invariants of DESIGN.md §6: the request ends exactly once (tokens, or a status
-that names the cause); free blocks on every live instance return to their start; a recovered request
-yields exactly the tokens of a fault-free run (greedy and seeded); no corrupted block is read (a
-failed transfer never completes, and the tokens are exact); only legal transitions happen (the
-router's table, and no instance report that contradicts it); the cluster serves new requests after.
+Every test asserts the invariants of docs/architecture.md ("Invariants"): the request ends exactly
+once (tokens, or a status that names the cause); free blocks on every live instance return to their
+start; a recovered request yields exactly the tokens of a fault-free run (greedy and seeded); no
+corrupted block is read (a failed transfer never completes, and the tokens are exact); only legal
+transitions happen (the router's table, and no instance report that contradicts it); the cluster
+serves new requests after.
 
 Faults are aimed at single requests by naming their hops in the fault plan: a request whose client id
 is "x" runs as "x.p1" (prefill), "x.g1" (generation; "x.g2" when the transfer is retried) and "x.c1"

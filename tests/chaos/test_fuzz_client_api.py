@@ -1,6 +1,7 @@
-"""Property-based fuzzing of the client API (DESIGN.md §6.7): random and malformed Generate requests
-against a real cluster (1 PREFILL + 1 GENERATION on a local Ray), sent as raw bytes through a
-generic channel call so that the server sees exactly what a hostile client could send.
+"""Property-based fuzzing of the client API (docs/architecture.md, "Invariants": bad input is
+rejected at the edge): random and malformed Generate requests against a real cluster (1 PREFILL + 1
+GENERATION on a local Ray), sent as raw bytes through a generic channel call so that the server sees
+exactly what a hostile client could send.
 
 Each request is classified here, from the documented rules (cluster/convert.py, worker/sampling.py),
 before it is sent: valid -> it completes; invalid -> INVALID_ARGUMENT whose message starts with the

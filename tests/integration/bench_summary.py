@@ -1,4 +1,5 @@
-"""Run one bench script in a subprocess and return its last stdout line, the DESIGN.md §8 summary."""
+"""Run one bench script in a subprocess and return its last stdout line, the result envelope of
+docs/architecture.md, "Benchmarks"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Smoke test of the load benchmarks: `--quick` of each comparison script and of `duet bench`, each
-in its own process, checking the DESIGN.md §8 envelope (the JSON object on the very last stdout
-line) and what `duet bench` writes to --out. Performance targets are not asserted (timings on a
-shared machine are noise); the envelope's shape and that every request completed are.
+in its own process, checking the envelope of docs/architecture.md, "Benchmarks" (the JSON object on
+the very last stdout line) and what `duet bench` writes to --out. Performance targets are not
+asserted (timings on a shared machine are noise); the envelope's shape and that every request
+completed are.
 
 The processes join one local Ray head that this module starts on 127.0.0.1 (through RAY_ADDRESS,
 as under `ray job submit`), so that the ten-odd seconds of starting Ray are paid once, not per script.

@@ -1,5 +1,6 @@
 """Every Generate validation rule: INVALID_ARGUMENT naming the field, decided before the router is
-called (DESIGN.md §6.7); and what a valid request becomes (defaults, floats, deadlines)."""
+called (docs/architecture.md, "Invariants"); and what a valid request becomes (defaults, floats,
+deadlines)."""
 
 from __future__ import annotations
 

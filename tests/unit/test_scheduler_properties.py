@@ -244,7 +244,8 @@ def _trace(scenario) -> list[tuple]:
 
 
 def _first_come_first_served_reference(requests, capacity, unit, max_context_length) -> None:
-    """FIRST_COME_FIRST_SERVED as spec §5.1 words it, with no shortcut (the chunks start at 0)."""
+    """FIRST_COME_FIRST_SERVED as TensorRT-LLM's microBatchScheduler.cpp computes it
+    (setCtxRequestsChunkSize for kFIRST_COME_FIRST_SERVED), with no shortcut (the chunks start at 0)."""
     from scheduler.chunking import reusable_tokens
 
     for request in requests:

@@ -321,8 +321,9 @@ def test_a_cached_walk_of_the_prefix_tree_follows_every_change_of_the_tree() -> 
 
 @pytest.mark.parametrize("policy", [CapacitySchedulerPolicy.MAX_UTILIZATION, CapacitySchedulerPolicy.GUARANTEED_NO_EVICT])
 def test_a_duplicate_behind_a_running_chunked_prefill_waits_for_all_its_chunks(policy) -> None:
-    """Spec §4.5: C holds the running chunked prefill's key, whichever side of the duplicate it is
-    on in the list (MAX_UTILIZATION notes the ones before the duplicate and scans the rest)."""
+    """TensorRT-LLM's prefix-aware skipping (capacityScheduler.cpp): C holds the running chunked
+    prefill's key, whichever side of the duplicate it is on in the list (MAX_UTILIZATION notes the
+    ones before the duplicate and scans the rest)."""
     from scheduler.simulation import SimulatedExecutor
 
     kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=64, max_attention_window=64, enable_block_reuse=True))
