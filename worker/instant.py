@@ -1,6 +1,6 @@
 """An instant instance: speaks the real router/instance protocol (worker/protocol.py) and answers at
 once, with no model, no engine thread and no KV bytes. A fixture for tests and benchmarks of
-everything above the instance: the router (bench/router_bench.py), the front ends, the simulator.
+everything above the instance: the router (bench/router_bench.py), the front ends.
 
 What it does, per request type, the moment a request is submitted:
 - CONTEXT_ONLY: "prefill started", then the first token with `context_done`; it holds the (pretend)

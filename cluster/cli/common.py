@@ -156,7 +156,7 @@ def _first_line(text: str) -> str:
 
 def add_cluster_options(parser: argparse.ArgumentParser) -> None:
     """What to deploy: a config file plus flag overrides (flags win)."""
-    parser.add_argument("--config", metavar="FILE", help="cluster configuration (YAML); see cluster/deploy_config.py")
+    parser.add_argument("--config", metavar="FILE", help="cluster configuration (YAML); see cluster/deploy/config.py")
     parser.add_argument(
         "--address", metavar="ADDR", default=None,
         help="the Ray cluster to join (default: $RAY_ADDRESS, else an embedded local cluster)",

@@ -1,7 +1,7 @@
 """Deployment on Ray: connect (or start an embedded cluster), check resources, start instance actors.
 
-Ray appears here and in cluster/instance_client.py only. The instance actor class
-(worker.instance.Instance) is imported inside `start`, where actors are spawned, so importing this
+Ray appears here, in cluster/router/instance_client.py (the actor calls) and where the chaos harness
+kills actors (cluster/loadgen). The instance actor class
 module never imports torch.
 """
 

@@ -20,7 +20,7 @@ from worker.sampling import SamplingParams
 class Phase(enum.Enum):
     """Which half of a request one hop runs."""
 
-    PREFILL = "prefill"  # CONTEXT_ONLY on a PREFILL (or MIXED) instance
+    PREFILL = "prefill"  # CONTEXT_ONLY on a PREFILL instance
     GENERATION = "generation"  # GENERATION_ONLY: receives KV, then generates
     COLOCATED = "colocated"  # CONTEXT_AND_GENERATION on one instance
 

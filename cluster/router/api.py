@@ -2,7 +2,7 @@
 
 Plain, typed values (no torch, no grpc): the front end converts protobuf to these and back, the
 router never sees protobuf. `RouterAPI` is the interface the front end is written against; the
-real router (cluster/router.py) and test fakes implement it.
+real router (cluster/router/driver.py) and test fakes implement it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 instances' load snapshots (cluster/router/snapshot.py) and health, and the prefix overlap
 (cluster/router/prefix_index.py).
 
-Policies (each a small class with its params from cluster/config.py):
+Policies (each a small class with its params from cluster/router/config.py):
 
 * RoundRobin: the next instance id after the last one chosen, in id order, wrapping; stable when
   instances join or leave.

@@ -3,7 +3,7 @@ rejected at the edge): random and malformed Generate requests against a real clu
 GENERATION on a local Ray), sent as raw bytes through a generic channel call so that the server sees
 exactly what a hostile client could send.
 
-Each request is classified here, from the documented rules (cluster/convert.py, worker/sampling.py),
+Each request is classified here, from the documented rules (cluster/frontend/convert.py, worker/sampling.py),
 before it is sent: valid -> it completes; invalid -> INVALID_ARGUMENT whose message starts with the
 offending field's protobuf path ("sampling.top_p: ..."), with no message streamed before it;
 bytes that do not parse (invalid UTF-8 in a string field, a truncated field) -> INVALID_ARGUMENT
@@ -388,7 +388,7 @@ def generate_requests(draw) -> tuple[bytes, tuple[str, ...]]:
 
 
 def _widen(value: float) -> float:
-    """What the server compares: the float32 value, as the shortest decimal (cluster/convert.py);
+    """What the server compares: the float32 value, as the shortest decimal (cluster/frontend/convert.py);
     the comparisons below give the same answer for either."""
     return struct.unpack("<f", struct.pack("<f", value))[0] if math.isfinite(value) else value
 
