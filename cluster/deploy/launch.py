@@ -1,8 +1,8 @@
 """Deployment on Ray: connect (or start an embedded cluster), check resources, start instance actors.
 
 Ray appears here, in cluster/router/instance_client.py (the actor calls) and where the chaos harness
-kills actors (cluster/loadgen). The instance actor class
-module never imports torch.
+kills actors (cluster/loadgen). The instance actor class (worker.instance.Instance) is imported
+inside `start`, where actors are spawned, so importing this module never imports torch.
 """
 
 from __future__ import annotations
