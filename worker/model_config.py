@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from scheduler.config import positive_int
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
@@ -45,8 +47,7 @@ class UnsupportedArchitectureError(ModelConfigError):
 
 
 def _require_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ModelConfigError(name, f"must be a positive integer, got {value!r}")
+    positive_int(name, value, ModelConfigError)
 
 
 def _require_positive_float(name: str, value: object) -> None:
