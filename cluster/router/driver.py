@@ -21,7 +21,6 @@ and unreachable calls do.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -428,6 +427,8 @@ class Router:
             rejected = (error.field, error.message)
         except InstanceUnavailable as error:
             unavailable = str(error)
+            if member is not None:
+                member.to_abort.add(action.engine_id)  # the submit may have landed: abort it once it answers
             logger.warning("request %s: %s unavailable at submit: %s", action.request_id, action.instance_id, error)
         finally:
             stop = self._submitting.pop(action.engine_id, None)
@@ -559,10 +560,15 @@ class Router:
                 await self._declare_dead(member, "restarted")
             member.info = await member.client.get_info()
         if member.dead:
-            # Back (SIGCONT, restart): free what it may still hold of hops given up meanwhile.
-            for engine_id in self.fleet.revive(member):
-                with contextlib.suppress(InstanceUnavailable):
-                    await member.client.abort(engine_id, "stale hop of an instance declared dead")
+            self.fleet.revive(member)  # back (SIGCONT, restart)
+        if member.to_abort:
+            # It answers again: free what it may still hold of hops given up while it could not be
+            # told (it was dead, or a stop or submit call to it failed).
+            for engine_id in self.fleet.take_aborts(member):
+                try:
+                    await member.client.abort(engine_id, "a hop the router gave up while it could not reach this instance")
+                except InstanceUnavailable:
+                    member.to_abort.add(engine_id)
         self.fleet.answered(member, now)
         if batch.load is not None:
             self.fleet.apply_load(member, batch, self._wall(now), reset=restarted)

@@ -44,8 +44,8 @@ class Member:
     dead: bool = False
     attempts: set[str] = field(default_factory=set)  # engine ids of hops believed live there
     candidate: Candidate | None = None  # what placement reads of it; None: rebuild (load or health changed)
-    # Hops to abort when it answers again: those it held when it was declared dead, and those
-    # whose stop could not reach it.
+    # Hops to abort when it answers again: those it held when it was declared dead, those whose
+    # stop could not reach it, and those whose submit did not answer (it may have landed).
     to_abort: set[str] = field(default_factory=set)
 
     @property
@@ -110,13 +110,17 @@ class Fleet:
         member.to_abort.update(held)
         return held
 
-    def revive(self, member: Member) -> list[str]:
-        """A dead instance answers again: it starts from an empty prefix view. Returns the hops it
-        may still hold that the router gave up meanwhile (to abort there)."""
+    def revive(self, member: Member) -> None:
+        """A dead instance answers again: it starts from an empty prefix view."""
         member.dead = False
         member.candidate = None
         self.prefix.remove_instance(member.instance_id)
         logger.info("instance %s re-registered", member.instance_id)
+
+    @staticmethod
+    def take_aborts(member: Member) -> list[str]:
+        """The hops it may still hold that the router gave up while it could not be told (to abort
+        there, now that it answers)."""
         stale = sorted(member.to_abort)
         member.to_abort.clear()
         return stale

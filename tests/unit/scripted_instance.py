@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
+from cluster.router.instance_client import InstanceUnavailable
 from worker.protocol import Decoder, Encoder, InstanceInfo, InstanceRole, PollBatch, Submit, SubmitRequest
 
 VOCAB_SIZE = 264
@@ -47,6 +48,7 @@ class ScriptedInstance:
         self._batches: asyncio.Queue[PollBatch] = asyncio.Queue()
         self._sequence = 0
         self._holds: dict[str, asyncio.Event] = {}
+        self._failing: set[str] = set()
         self._arrivals: dict[str, asyncio.Event] = {}
 
     # --- what the test does ---------------------------------------------------------------------------
@@ -64,6 +66,13 @@ class ScriptedInstance:
         """Wait until a held call of `method` has arrived."""
         await asyncio.wait_for(self._arrivals[method].wait(), timeout_s)
 
+    def fail(self, method: str) -> None:
+        """Calls of `method` fail as if the instance could not be reached, until `heal(method)`."""
+        self._failing.add(method)
+
+    def heal(self, method: str) -> None:
+        self._failing.discard(method)
+
     def let_go(self, method: str) -> None:
         self._holds.pop(method).set()
 
@@ -72,6 +81,8 @@ class ScriptedInstance:
 
     # --- InstanceClient ------------------------------------------------------------------------------
     async def _call(self, method: str, request_id: str) -> None:
+        if method in self._failing:
+            raise InstanceUnavailable(f"{self.instance_id}: {method} failed (scripted)")
         gate = self._holds.get(method)
         if gate is not None:
             self._arrivals[method].set()

@@ -164,3 +164,27 @@ def test_an_abort_never_overtakes_its_hops_submit() -> None:
             await router.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_stop_that_could_not_reach_its_instance_is_sent_once_it_answers_again() -> None:
+    """The abort of an ended request's hop fails (the instance did not answer); the instance is not
+    dead, and its next poll answers: the abort goes out then, so its blocks do not wait for a lease."""
+
+    async def scenario():
+        p0, g0 = ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+        router = make_router(["fail"])
+        await start(router, p0, g0)
+        try:
+            await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=REQUEST_ID))
+            await until(lambda: p0.called("submit", f"{REQUEST_ID}.p1"))
+            p0.fail("abort")
+            assert await router.abort(request_id=REQUEST_ID) == (True, "ABORTED")
+            assert not p0.called("abort")
+            p0.heal("abort")
+            p0.report()  # it answers a poll again
+            await until(lambda: p0.called("abort", f"{REQUEST_ID}.p1"))
+            assert router.illegal_transitions == 0
+        finally:
+            await router.stop()
+
+    asyncio.run(scenario())
