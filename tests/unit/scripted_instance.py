@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from cluster.router.instance_client import InstanceUnavailable
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
-from cluster.router.instance_client import InstanceUnavailable
 from worker.protocol import Decoder, Encoder, InstanceInfo, InstanceRole, PollBatch, Submit, SubmitRequest
 
 VOCAB_SIZE = 264
