@@ -184,7 +184,7 @@ def client_request_from_proto(
         prompt_ids = tuple(request.token_ids.ids)
         if not prompt_ids:
             raise RequestValidationError("token_ids", "must not be empty")
-        _check_prompt_length(len(prompt_ids), "token_ids", limits)
+        check_prompt_length(len(prompt_ids), "token_ids", limits)
         largest = max(prompt_ids)
         if largest >= limits.vocab_size:
             raise RequestValidationError(
@@ -216,7 +216,7 @@ def client_request_from_proto(
         prompt_ids = tuple(tokenize(prompt_text))
         if not prompt_ids:
             raise RequestValidationError("text", "tokenizes to no tokens")
-        _check_prompt_length(len(prompt_ids), "text", limits)
+        check_prompt_length(len(prompt_ids), "text", limits)
     assert prompt_ids is not None
     prompt_length = len(prompt_ids)
     if prompt_length + sampling.max_tokens > limits.max_seq_len:
@@ -236,7 +236,7 @@ def client_request_from_proto(
     )
 
 
-def _check_prompt_length(length: int, field: str, limits: ModelLimits) -> None:
+def check_prompt_length(length: int, field: str, limits: ModelLimits) -> None:
     if length > limits.max_seq_len - 1:
         raise RequestValidationError(
             field,
