@@ -710,7 +710,9 @@ class OpenAIServer:
         if self._server is not None:
             raise FrontendError("the server is already started")
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off only on sockets that say TCP,
+        # and with it on, a response's second write waits for the client's delayed ACK (~40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self._host.strip("[]"), self._port))
