@@ -28,7 +28,7 @@ from cluster.frontend.convert import (
 from cluster.frontend.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest
 from cluster.router.api import ClientRequest
 from worker.sampling import MAX_SEED, InvalidSamplingParams, SamplingParams
-from worker.tokenizer import ChatTemplateError, render_chat_template
+from worker.tokenizer import ChatTemplateError, chat_prompt_ids
 
 MAX_CHOICES = 128  # n
 MAX_BATCH_PROMPTS = 256
@@ -66,36 +66,18 @@ class Plan:
 
 
 class ChatFormatter:
-    """Messages -> prompt token ids with the served model's chat template (or `template`, which
-    overrides it: `--chat-template FILE`). Rendering is worker/tokenizer.py's, in jinja2's sandbox."""
+    """Messages -> prompt token ids with the served model's chat template, or `template`, which
+    overrides it (`--chat-template FILE`); worker/tokenizer.py's chat_prompt_ids renders them, in
+    jinja2's sandbox."""
 
     def __init__(self, tokenizer: Any, template: str | None = None) -> None:
         self._tokenizer = tokenizer
         self._template = template
-        bos = getattr(tokenizer, "bos_token_id", None)
-        eos = tuple(getattr(tokenizer, "eos_token_ids", ()))
-        self._bos_id = bos
-        self._bos = tokenizer.decode([bos], skip_special_tokens=False) if bos is not None else ""
-        self._eos = tokenizer.decode([eos[0]], skip_special_tokens=False) if eos else ""
-
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if self._template is not None:
-            return render_chat_template(
-                self._template,
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
-        return self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def encode(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation. Templates usually write the BOS token themselves,
-        so the text is encoded without special tokens and the BOS is put first only when missing."""
-        ids = list(self._tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False))
-        if self._bos_id is not None and (not ids or ids[0] != self._bos_id):
-            ids.insert(0, self._bos_id)
-        return ids
+        return chat_prompt_ids(
+            self._tokenizer, messages, add_generation_prompt=add_generation_prompt, template=self._template
+        )
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:

@@ -179,3 +179,22 @@ def test_async_client_chat(served) -> None:
 
     results = asyncio.run(scenario())
     assert all(r.usage.completion_tokens <= 4 and r.choices[0].finish_reason in ("stop", "length") for r in results)
+
+
+def test_chat_over_http_equals_the_offline_llm_chat(served) -> None:
+    """One conversation is one prompt everywhere: the HTTP API and LLM.chat render it alike, so
+    greedy replies match token for token (the engines are the same seeded built-in model)."""
+    from worker.llm import LLM
+
+    server, _ = served
+    messages = [{"role": "system", "content": "terse"}, {"role": "user", "content": "The quick brown fox"}]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    offline = LLM(dtype="float32", device="cpu").chat(messages, params)[0]
+    response = client(server).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    tokenizer = ByteTokenizer()
+    assert [e.token for e in response.choices[0].logprobs.content] == [
+        tokenizer.decode([t], skip_special_tokens=False) for t in offline.token_ids
+    ]
+    assert response.choices[0].message.content == offline.text
