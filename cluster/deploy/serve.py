@@ -122,26 +122,36 @@ class ServingCluster:
                 root_certificates_pem=Path(client_ca).read_bytes() if client_ca else certificate,
                 require_client_auth=client_ca is not None,
             )
-        self.frontend = FrontendServer(
-            self.router, host=frontend_config.host, port=frontend_config.port, tokens=frontend_config.tokens, tls=tls
-        )
-        port = await self.frontend.start()
-        self.target = f"{frontend_config.host}:{port}"
-        logger.info("serving on %s", self.target)
-        if frontend_config.http_port:
-            await self._start_http(tokenizer)
-
-    async def _start_http(self, tokenizer) -> None:
-        from cluster.frontend.http import HttpTls, OpenAIServer
-        from cluster.frontend.service import FrontendError
-
-        frontend_config = self.config.frontend
         template = None
         if frontend_config.chat_template is not None:
             try:
                 template = Path(frontend_config.chat_template).read_text(encoding="utf-8")
             except OSError as error:
                 raise DeploymentError(f"frontend.chat_template: cannot read it: {error}") from None
+        from worker.tokenizer import chat_prompt_ids
+
+        def chat(messages, add_generation_prompt: bool) -> list[int]:
+            return chat_prompt_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt, template=template)
+
+        self.frontend = FrontendServer(
+            self.router,
+            host=frontend_config.host,
+            port=frontend_config.port,
+            tokens=frontend_config.tokens,
+            tls=tls,
+            chat=chat,
+        )
+        port = await self.frontend.start()
+        self.target = f"{frontend_config.host}:{port}"
+        logger.info("serving on %s", self.target)
+        if frontend_config.http_port:
+            await self._start_http(tokenizer, template)
+
+    async def _start_http(self, tokenizer, template: str | None) -> None:
+        from cluster.frontend.http import HttpTls, OpenAIServer
+        from cluster.frontend.service import FrontendError
+
+        frontend_config = self.config.frontend
         tls = None
         if frontend_config.tls_cert is not None:
             tls = HttpTls(frontend_config.tls_cert, frontend_config.tls_key, frontend_config.tls_client_ca)
