@@ -524,6 +524,7 @@ class _Rendering:
         self.handles = handles
         count = len(plan.choices)
         self.text: list[list[str]] = [[] for _ in range(count)]
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
         self.finals: list[FinalEvent | None] = [None] * count
         self.completion_logprobs = [CompletionLogprobs() for _ in range(count)] if not chat else []
         self.chat_logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
@@ -533,6 +534,7 @@ class _Rendering:
     # non-streamed
     def add_tokens(self, index: int, event: TokenEvent) -> None:
         self.text[index].append(event.text)
+        self.token_ids[index].extend(event.token_ids)
         if self.plan.logprobs is not None:
             if self.chat:
                 self.chat_logprobs[index].extend(chat_logprobs(event, self.texts))
@@ -567,6 +569,8 @@ class _Rendering:
                     "finish_reason": final.finish_reason,
                 }
             choice["stop_reason"] = final.stop_reason
+            if self.plan.return_token_ids:
+                choice["token_ids"] = self.token_ids[index]
             choices.append(choice)
         body: dict[str, Any] = {
             "id": self.id,
@@ -629,6 +633,8 @@ class _Rendering:
             if self.plan.logprobs is not None:
                 logprobs = self.completion_logprobs[index].add(event, self.texts)
             choice = {"index": index, "text": event.text, "logprobs": logprobs, "finish_reason": None}
+        if self.plan.return_token_ids:
+            choice["token_ids"] = list(event.token_ids)
         return self._chunk([choice])
 
     def final_chunk(self, index: int, event: FinalEvent) -> dict[str, Any]:

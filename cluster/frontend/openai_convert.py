@@ -63,6 +63,7 @@ class Plan:
     return_timeline: bool
     logprobs: int | None  # top alternatives per token; None: no logprobs
     echo_texts: tuple[str, ...] = ()  # completions' echo: each prompt's text, put before its choices
+    return_token_ids: bool = False
 
 
 class ChatFormatter:
@@ -295,6 +296,7 @@ def completion_plan(
         return_timeline=body.return_timeline,
         logprobs=body.logprobs,
         echo_texts=echo_texts,
+        return_token_ids=body.return_token_ids,
     )
 
 
@@ -342,4 +344,5 @@ def chat_plan(
         include_usage=body.stream_options is not None and body.stream_options.include_usage,
         return_timeline=body.return_timeline,
         logprobs=logprobs,
+        return_token_ids=body.return_token_ids,
     )

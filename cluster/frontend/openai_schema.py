@@ -49,6 +49,8 @@ class _Generation(_Body):
     include_stop_str_in_output: StrictBool = False
     # duet: the request's global state timeline and the instances it used, in the response.
     return_timeline: StrictBool = False
+    # vLLM's: each choice (and each stream chunk) carries its generated token ids.
+    return_token_ids: StrictBool = False
     # Declared only to be refused by name when set (openai_convert.py, UNSUPPORTED_FIELDS).
     logit_bias: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
