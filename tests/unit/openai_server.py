@@ -36,8 +36,12 @@ class ServerThread:
         instances: Callable[[Router], Awaitable[Any]] = instant_pair,
         router_config: dict | None = None,
         max_seq_len: int = 4096,
+        tokenizer: Any = None,
+        vocab_size: int = 264,
         **server_options: Any,
     ) -> None:
+        self._tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self._vocab_size = vocab_size
         self._instances = instances
         self._router_config = {"health": {"heartbeat_interval_s": 0.05, "dead_after_s": 5.0}, **(router_config or {})}
         self._max_seq_len = max_seq_len
@@ -54,11 +58,13 @@ class ServerThread:
 
     async def _start(self) -> None:
         config = RouterConfig.from_dict(self._router_config)
-        self.router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=self._max_seq_len, tokens_per_block=16, seed=7)
+        self.router = Router(
+            config, self._tokenizer, vocab_size=self._vocab_size, max_seq_len=self._max_seq_len, tokens_per_block=16, seed=7
+        )
         await self.router.start()
         self.cleanup = await self._instances(self.router)
         options = {"served_model_name": MODEL, "port": 0, **self._options}
-        self.server = OpenAIServer(self.router, ByteTokenizer(), **options)
+        self.server = OpenAIServer(self.router, self._tokenizer, **options)
         await self.server.start()
 
     async def _stop(self) -> None:
