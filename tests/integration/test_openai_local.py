@@ -198,3 +198,47 @@ def test_chat_over_http_equals_the_offline_llm_chat(served) -> None:
         tokenizer.decode([t], skip_special_tokens=False) for t in offline.token_ids
     ]
     assert response.choices[0].message.content == offline.text
+
+
+def test_draining_finishes_open_streams_and_refuses_new_requests(served) -> None:
+    """As on SIGTERM (cluster/deploy/serve.py): /health 503, new requests 503, open streams run to
+    their end and [DONE] before the drain returns."""
+    server, _ = served
+    body = json.dumps(
+        {"model": MODEL, "prompt": "drain " * 4, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    ).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    received = b""
+    while received.count(b"data: ") < 2:
+        received += sock.recv(4096)
+    server.server.set_serving(False)
+    drain = asyncio.run_coroutine_threadsafe(server.router.drain(60.0), server.loop)
+    try:
+        with pytest.raises(openai.APIStatusError) as caught:
+            client(server).completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert caught.value.status_code == 503
+        status = urllib_status(server, "/health")
+        assert status == 503
+        while chunk := sock.recv(65536):
+            received += chunk
+        assert drain.result(60) == 0  # nothing was left to fail
+    finally:
+        sock.close()
+        server.router.set_accepting(True)
+        server.server.set_serving(True)
+    assert b"data: [DONE]" in received and b'"finish_reason":"length"' in received
+
+
+def urllib_status(server, path: str) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(server.base_url.removesuffix("/v1") + path, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
