@@ -75,7 +75,7 @@ from cluster.frontend.openai_schema import (
     TokenizeChat,
     TokenizeCompletion,
 )
-from cluster.frontend.service import BearerAuthInterceptor, FrontendError, _host_for_address
+from cluster.frontend.service import BearerAuthInterceptor, FrontendError, host_for_address
 from cluster.router.api import (
     FinalEvent,
     InstanceHealthView,
@@ -708,7 +708,7 @@ class OpenAIServer:
     @property
     def url(self) -> str:
         scheme = "https" if self._tls is not None else "http"
-        return f"{scheme}://{_host_for_address(self._host)}:{self.port}/v1"
+        return f"{scheme}://{host_for_address(self._host)}:{self.port}/v1"
 
     async def start(self) -> int:
         import uvicorn

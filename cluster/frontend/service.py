@@ -456,7 +456,7 @@ class FrontendServer:
 
     @property
     def address(self) -> str:
-        return f"{_host_for_address(self._host)}:{self.port}"
+        return f"{host_for_address(self._host)}:{self.port}"
 
     async def start(self) -> int:
         """Bind, start serving and report SERVING; returns the bound port."""
@@ -474,7 +474,7 @@ class FrontendServer:
         server.add_generic_rpc_handlers((self._service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
-        address = f"{_host_for_address(self._host)}:{self._port}"
+        address = f"{host_for_address(self._host)}:{self._port}"
         try:
             if self._tls is None:
                 bound = server.add_insecure_port(address)
@@ -509,5 +509,5 @@ class FrontendServer:
         logger.info("front end on %s:%s stopped", self._host, self._bound_port)
 
 
-def _host_for_address(host: str) -> str:
+def host_for_address(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host

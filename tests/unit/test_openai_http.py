@@ -13,6 +13,7 @@ import urllib.request
 import openai
 import pytest
 from openai_server import MODEL, ServerThread
+from test_frontend_auth import certs as tls_certs  # a fixture: a CA and a server certificate
 
 from cluster.router.observe import RouterMetrics
 from worker.tokenizer import ByteTokenizer, ChatTemplateError
@@ -277,3 +278,23 @@ def test_chat_template_override_and_missing_template() -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             client(server).chat.completions.create(model=MODEL, messages=CHAT)
         assert caught.value.body["param"] == "messages" and "no chat template" in caught.value.body["message"]
+
+
+certs = tls_certs
+
+
+def test_tls_with_the_front_ends_certificate_files(certs, tmp_path) -> None:
+    import ssl
+
+    from cluster.frontend.http import HttpTls
+
+    (tmp_path / "server.pem").write_bytes(certs["server"][0])
+    (tmp_path / "server.key").write_bytes(certs["server"][1])
+    tls = HttpTls(str(tmp_path / "server.pem"), str(tmp_path / "server.key"))
+    with ServerThread(tls=tls) as server:
+        assert server.base_url.startswith("https://")
+        context = ssl.create_default_context(cadata=certs["ca"].decode())
+        with urllib.request.urlopen(f"https://127.0.0.1:{server.port}/v1/models", context=context, timeout=10) as response:
+            assert json.loads(response.read())["data"][0]["id"] == MODEL
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v1/models", timeout=10).read()
