@@ -91,11 +91,13 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
         if isinstance(content, list):
             texts = []
             for part_index, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise RequestValidationError(
                         f"messages[{index}].content[{part_index}].type",
                         f'only {{"type": "text", "text": ...}} parts are supported, got type {part.type!r}',
                     )
+                if part.text is None:
+                    raise RequestValidationError(f"messages[{index}].content[{part_index}].text", "a text part needs its text")
                 texts.append(part.text)
             content = "".join(texts)
         out.append({"role": message.role, "content": content or ""})

@@ -273,8 +273,7 @@ def test_chat_template_override_and_missing_template() -> None:
     with ServerThread(instances=instant, chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}") as server:
         status, raw, _ = http(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False})
         assert json.loads(raw)["tokens"] == [256, *b"<user>hi"]
-    with ServerThread() as server:
-        server.server.app._chat._tokenizer = _NoTemplate()
+    with ServerThread(tokenizer=_NoTemplate()) as server:
         with pytest.raises(openai.BadRequestError) as caught:
             client(server).chat.completions.create(model=MODEL, messages=CHAT)
         assert caught.value.body["param"] == "messages" and "no chat template" in caught.value.body["message"]
