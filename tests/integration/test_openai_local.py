@@ -242,3 +242,30 @@ def urllib_status(server, path: str) -> int:
             return response.status
     except urllib.error.HTTPError as error:
         return error.code
+
+
+def test_a_client_that_leaves_a_non_streamed_request_aborts_it(served) -> None:
+    server, engines = served
+    body = json.dumps({"model": MODEL, "prompt": "wait " * 8, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: unary leaver\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # until it runs
+        try:
+            if server.router.get_request(client_request_id="unary leaver").state == "GENERATING":
+                break
+        except Exception:  # NOT_FOUND until admitted
+            pass
+        time.sleep(0.02)
+    sock.close()
+    while time.monotonic() < deadline:
+        view = server.router.get_request(client_request_id="unary leaver")
+        if view.final is not None:
+            break
+        time.sleep(0.05)
+    assert view.state == "ABORTED" and view.final.usage.completion_tokens < 3000
+    free = server.call(engines.cluster.free_blocks_settle())
+    assert all(f == t for f, t in free.values()), free

@@ -102,6 +102,7 @@ def test_raw_sse_framing(server) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            + b"X-Request-Id: sse framing\r\n"
             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
         )
         raw = b""
@@ -109,6 +110,7 @@ def test_raw_sse_framing(server) -> None:
             raw += chunk
     head, _, rest = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
+    assert b"x-request-id: sse framing" in head.lower()  # honoured and echoed
     assert b"content-type: text/event-stream" in head.lower()
     payload = _dechunk(rest) if b"transfer-encoding: chunked" in head.lower() else rest
     events = payload.split(b"\n\n")
