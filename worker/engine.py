@@ -303,7 +303,11 @@ class Engine:
         logits = self.runner.forward(chunks)
         sampled = [llm for llm, chunk in zip([*schedule.context, *schedule.generation], chunks, strict=True) if chunk.want_logits]
         if logits.shape[1] > self.vocab_size:
-            logits[:, self.vocab_size :] = float("-inf")  # padding rows of the embedding are never tokens
+            # Padding rows of the embedding are never tokens. The runner's logits are inference
+            # tensors: written in place only inside inference mode (the instance's loop steps
+            # outside it; LLM.generate steps inside, which is why only serving a padded vocabulary hit this).
+            with torch.inference_mode():
+                logits[:, self.vocab_size :] = float("-inf")
         rows = []
         for llm in sampled:
             tracked = self._requests[llm.request_id]

@@ -12,7 +12,7 @@ embedded default or a local Hugging Face checkpoint directory; `engine_options` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from worker.protocol import EngineInputError, RequestOutput, SubmitRequest
 from worker.sampler import SampleLogprobs
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
+from worker.tokenizer import ChatMessages, chat_prompt_ids
 
 PromptInput = str | Sequence[int]
 
@@ -72,6 +73,24 @@ class LLM:
         self.engine = Engine(decoder, tokenizer, config, generation_config=generation_config, instance_id="llm")
         self.tokenizer = tokenizer
         self._counter = 0
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate the assistant's reply to a conversation (a list of {"role", "content"}) or to
+        each of a list of conversations, rendered with the model's chat template (or
+        `chat_template`, which overrides it) exactly as the front ends render them."""
+        conversations = [messages] if _is_conversation(messages) else list(messages)  # type: ignore[list-item]
+        prompts = [
+            chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt, template=chat_template)
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
 
     def generate(
         self,
@@ -135,3 +154,8 @@ class LLM:
                 )
             )
         return results
+
+
+def _is_conversation(value: object) -> bool:
+    """One conversation (a sequence of mappings), as opposed to a sequence of conversations."""
+    return isinstance(value, Sequence) and bool(value) and all(isinstance(item, Mapping) for item in value)

@@ -355,3 +355,36 @@ def render_chat_template(
         )
     except jinja2.TemplateError as error:
         raise ChatTemplateError(f"chat template failed to render: {error}") from error
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: ChatMessages,
+    *,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+) -> list[int]:
+    """A conversation's prompt token ids: rendered with `template` when given (it overrides the
+    tokenizer's own), else with the tokenizer's chat template (ChatTemplateError when it has none).
+
+    Templates usually write the BOS token themselves, so the text is encoded without special tokens
+    and the BOS is put first only when it is missing. Every front end and the offline API use this,
+    so that one conversation is one prompt everywhere."""
+    if template is not None:
+        _validate_messages(messages)
+        bos_id = tokenizer.bos_token_id
+        eos_ids = tokenizer.eos_token_ids
+        text = render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tokenizer.decode([bos_id], skip_special_tokens=False) if bos_id is not None else "",
+            eos_token=tokenizer.decode([eos_ids[0]], skip_special_tokens=False) if eos_ids else "",
+        )
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = tokenizer.bos_token_id
+    if bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids

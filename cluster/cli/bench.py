@@ -4,6 +4,7 @@
     duet bench --target 10.0.0.5:50051 --workload shared-prefix --rate 1 2 4 8 --slo-ttft-ms 500
     duet bench --mixed 2 --workload multi-turn --turns 4 --concurrency 4 --out results/
     duet bench --target HOST:PORT --workload sharegpt --dataset ShareGPT_V3.json --num-requests 500
+    duet bench --backend openai --target http://HOST:8000 --concurrency 1 8 32   # the OpenAI HTTP API
 
 Without --target it starts an embedded cluster (the `duet serve` flags: --config, --prefill,
 --generation, --mixed, --model, ...) on a free port and stops it afterwards. Several --rate (or
@@ -102,6 +103,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     target = parser.add_argument_group("cluster (a running one, or an embedded one started here)")
     add_connection_options(target, CONNECTION_WORDING)
+    target.add_argument(
+        "--backend", choices=("grpc", "openai"), default="grpc",
+        help="the front end to load: gRPC (default; --target HOST:PORT) or the OpenAI HTTP API "
+        "(--target http://HOST:PORT, streamed completions)",
+    )
     target.add_argument("--config", metavar="FILE", help="embedded: cluster configuration (YAML)")
     target.add_argument("--address", default=None, metavar="ADDR", help="embedded: the Ray cluster to deploy on")
     target.add_argument("--model", default=None, metavar="DIR", help="embedded: a local Hugging Face checkpoint")
@@ -251,12 +257,34 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 # ---- running ----------------------------------------------------------------------------------
 
 
+def _client(target: str, client_options: dict[str, Any], backend: str) -> Any:
+    if backend == "openai":
+        from cluster.loadgen.openai_client import OpenAIClient
+
+        if client_options.get("tls") is not None:
+            raise CliError("--tls-*: the openai backend takes an https:// --target and the system's CAs", EXIT_USAGE)
+        try:
+            return OpenAIClient(target, token=client_options.get("token"))
+        except ValueError as error:
+            raise CliError(str(error), EXIT_USAGE) from None
+    return AsyncDuetClient(target, **client_options)
+
+
 async def run_points(
-    target: str, client_options: dict[str, Any], settings: BenchSettings, dataset: Sequence[SharegptPair] | None
+    target: str,
+    client_options: dict[str, Any],
+    settings: BenchSettings,
+    dataset: Sequence[SharegptPair] | None,
+    backend: str = "grpc",
 ) -> list[PointResult]:
     """Warm up, then measure every sweep point in turn; returns their PointResults."""
     results = []
-    async with AsyncDuetClient(target, **client_options) as client:
+    try:
+        opened = _client(target, client_options, backend)
+        client = await opened.__aenter__()
+    except DuetError as error:
+        raise rpc_failure(error, target) from None
+    try:
         try:
             if not await client.health():
                 logger.warning("the front end at %s reports NOT_SERVING", target)
@@ -286,6 +314,8 @@ async def run_points(
                 f"{point.label}: {m.completed}/{m.num_requests} done in {m.duration_s:.1f}s, "
                 f"{m.request_throughput_rps:.2f} req/s, {m.output_throughput_tps:.1f} tok/s",
             )
+    finally:
+        await opened.__aexit__(None, None, None)
     return results
 
 
@@ -296,6 +326,14 @@ def _progress(settings: BenchSettings, message: str) -> None:
 
 def _bar(settings: BenchSettings, total: int, label: str) -> Any:
     return tqdm(total=total, desc=label, unit="req", file=sys.stderr, disable=not settings.progress, leave=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _embedded_config(args: argparse.Namespace) -> ClusterConfig:
@@ -315,14 +353,16 @@ def run(args: argparse.Namespace) -> int:
     if args.target is not None and embedded_flags:
         raise CliError(f"--{embedded_flags[0]}: configures an embedded cluster; it has no effect with --target", EXIT_USAGE)
     if args.target is not None:
-        results = asyncio.run(run_points(args.target, client_options(args), settings, dataset))
-        cluster_description: dict[str, Any] = {"target": args.target}
+        results = asyncio.run(run_points(args.target, client_options(args), settings, dataset, args.backend))
+        cluster_description: dict[str, Any] = {"target": args.target, "backend": args.backend}
     else:
         # The router/deploy stack is imported only for an embedded cluster, so that every `duet` start stays fast.
         from cluster.deploy.embedded import BackgroundCluster
         from cluster.deploy.launch import DeploymentError
 
         config = _embedded_config(args)
+        if args.backend == "openai":
+            config = dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, http_port=_free_port()))
         _progress(settings, "starting an embedded cluster ...")
         started_s = time.monotonic()
         try:
@@ -331,7 +371,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"the embedded cluster did not start: {error}", EXIT_CODES["UNAVAILABLE"]) from None
         try:
             _progress(settings, f"serving on {cluster.target} ({time.monotonic() - started_s:.1f}s to start)")
-            results = asyncio.run(run_points(cluster.target, {}, settings, dataset))
+            target = cluster.cluster.http_url if args.backend == "openai" else cluster.target
+            if not target:
+                raise CliError("the embedded cluster's OpenAI API did not start", EXIT_CODES["UNAVAILABLE"])
+            results = asyncio.run(run_points(target, {}, settings, dataset, args.backend))
         finally:
             cluster.stop()
         cluster_description = {
@@ -342,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": config.dtype,
             "device": config.device,
             "model": config.model or "built-in",
+            "backend": args.backend,
         }
     write_outputs(settings, results, cluster_description)
     return EXIT_OK

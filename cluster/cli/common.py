@@ -194,6 +194,9 @@ def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
             frontend["port"] = args.port
         if getattr(args, "auth_token", None):
             frontend["tokens"] = tuple(args.auth_token)
+        for name in ("http_port", "served_model_name", "chat_template"):
+            if getattr(args, name, None) is not None:
+                frontend[name] = getattr(args, name)
         if frontend:
             overrides["frontend"] = dataclasses.replace(config.frontend, **frontend)
         if overrides:
@@ -204,6 +207,6 @@ def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def with_free_ports(config: ClusterConfig) -> ClusterConfig:
-    """The front end and its metrics on free ports: a cluster started by a command must not
-    collide with a `duet serve` on the default ones."""
-    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0, metrics_port=0))
+    """The front end and its metrics on free ports, the HTTP API off: a cluster started by a
+    command must not collide with a `duet serve` on the default ones."""
+    return dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, port=0, metrics_port=0, http_port=0))

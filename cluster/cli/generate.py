@@ -2,6 +2,8 @@
 
     duet generate "Once upon a time" --max-tokens 32 --temperature 0
     echo "prompt from stdin" | duet generate - --json
+    duet generate --chat '[{"role": "user", "content": "hi"}]'      # a conversation (JSON)
+    duet generate --chat --message system="be brief" --message user=hi
 
 The text goes to stdout as it arrives and a one-line summary (finish reason, token counts, TTFT,
 total time) to stderr; --json prints every response message as one JSON object per line instead.
@@ -27,7 +29,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate a completion from the cluster, streamed to stdout",
         description="Stream a completion to stdout; a one-line summary goes to stderr.",
     )
-    parser.add_argument("prompt", metavar="PROMPT", help='the prompt text ("-" reads it from stdin)')
+    parser.add_argument(
+        "prompt", metavar="PROMPT", nargs="?", default=None,
+        help='the prompt text ("-" reads it from stdin); with --chat, the messages as JSON',
+    )
+    parser.add_argument(
+        "--chat", action="store_true",
+        help="the prompt is a conversation, rendered with the served model's chat template",
+    )
+    parser.add_argument(
+        "--message", action="append", default=[], metavar="ROLE=TEXT",
+        help="a chat message (repeatable, in order; implies --chat)",
+    )
     parser.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens to generate at most (16)")
     parser.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy (server default 1.0)")
     parser.add_argument("--top-p", type=float, default=None, metavar="P")
@@ -41,8 +54,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
+def chat_messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    """--message ROLE=TEXT flags, else the prompt argument as a JSON list of {"role", "content"}."""
+    if args.message:
+        if args.prompt is not None:
+            raise CliError("give the conversation as --message flags or as JSON, not both", EXIT_USAGE)
+        messages = []
+        for flag in args.message:
+            role, separator, text = flag.partition("=")
+            if not separator or not role:
+                raise CliError(f"--message {flag!r}: expected ROLE=TEXT", EXIT_USAGE)
+            messages.append({"role": role, "content": text})
+        return messages
+    raw = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    try:
+        messages = json.loads(raw)
+    except ValueError as error:
+        raise CliError(f"--chat: the messages are not JSON ({error})", EXIT_USAGE) from None
+    valid = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    )
+    if not valid:
+        raise CliError('--chat: expected a JSON list of {"role": ..., "content": ...}', EXIT_USAGE)
+    return messages
+
+
 def run(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat or args.message:
+        prompt: Any = chat_messages(args)
+    elif args.prompt is None:
+        raise CliError("a PROMPT is required (or --chat / --message)", EXIT_USAGE)
+    else:
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         request = build_generate_request(
             prompt,

@@ -276,7 +276,7 @@ def _set(message: Any, field: str, value: Any) -> None:
 
 
 def build_generate_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
     *,
     max_tokens: int | None = 16,
     temperature: float | None = None,
@@ -303,6 +303,13 @@ def build_generate_request(
     request = pb.GenerateRequest()
     if isinstance(prompt, str):
         request.text = prompt
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(item, Mapping) for item in prompt):
+        # A conversation: the server renders it with the served model's chat template.
+        for index, message in enumerate(prompt):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ClientConfigError(f"prompt[{index}]: a chat message needs a str role and a str content")
+            request.messages.messages.add(role=role, content=content)
     elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         try:
             request.token_ids.ids.extend(prompt)
@@ -310,7 +317,9 @@ def build_generate_request(
             raise ClientConfigError(f"prompt: token ids must be non-negative ints ({error})") from None
         request.token_ids.SetInParent()  # an empty list is still "token ids given"
     else:
-        raise ClientConfigError(f"prompt: must be a str or a sequence of token ids, got {type(prompt).__name__}")
+        raise ClientConfigError(
+            f"prompt: must be a str, a sequence of token ids or of chat messages, got {type(prompt).__name__}"
+        )
     sampling = request.sampling
     optional = {
         "max_tokens": max_tokens,
@@ -588,7 +597,7 @@ class DuetClient:
         finally:
             call.cancel()  # no-op once the call ended; stops the request when the caller leaves early
 
-    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[GenerateEvent]:
+    def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], **kwargs: Any) -> Iterator[GenerateEvent]:
         """Deltas, then one Result. Keyword arguments are those of `build_generate_request`."""
         return self.generate_request(build_generate_request(prompt, **kwargs))
 
@@ -609,7 +618,7 @@ class DuetClient:
             call.cancel()
         yield reader.finish()
 
-    def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
+    def complete(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], **kwargs: Any) -> Completion:
         """The whole generation, collected."""
         collector = _Collector(time.monotonic())
         with contextlib.closing(self.generate(prompt, **kwargs)) as events:
@@ -692,7 +701,7 @@ class AsyncDuetClient:
         finally:
             call.cancel()
 
-    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> AsyncIterator[GenerateEvent]:
+    def generate(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], **kwargs: Any) -> AsyncIterator[GenerateEvent]:
         """Deltas, then one Result. Leaving early: use `contextlib.aclosing` to cancel at once (an
         abandoned generator is closed, and the call cancelled, when the loop finalizes it)."""
         return self.generate_request(build_generate_request(prompt, **kwargs))
@@ -713,7 +722,7 @@ class AsyncDuetClient:
             call.cancel()
         yield reader.finish()
 
-    async def complete(self, prompt: str | Sequence[int], **kwargs: Any) -> Completion:
+    async def complete(self, prompt: str | Sequence[int] | Sequence[Mapping[str, str]], **kwargs: Any) -> Completion:
         collector = _Collector(time.monotonic())
         async with contextlib.aclosing(self.generate(prompt, **kwargs)) as events:
             async for event in events:

@@ -9,7 +9,8 @@
     engine: {tokens_per_block: 16, capacity_policy: GUARANTEED_NO_EVICT, max_num_tokens: 2048}
     placement_strategy: spread   # spread roles over nodes, or pack them
     router: {placement: {...}, recovery: {...}, admission: {...}, health: {...}, timeouts: {...}}
-    frontend: {host: 127.0.0.1, port: 50051, tokens: [], tls_cert: null, tls_key: null, metrics_port: 9464, timeline_log: null}
+    frontend: {host: 127.0.0.1, port: 50051, tokens: [], tls_cert: null, tls_key: null, metrics_port: 9464, timeline_log: null,
+              http_port: 8000, served_model_name: null, chat_template: null}
     cluster_token: null    # shared secret of the KV transfer path; generated when null
     faults: null           # a fault plan (worker/kv_transfer/faults.py) for chaos runs; off by default
     kv_transfer: {sender: {num_streams: 4, num_connections: 4, max_chunk_bytes: 4194304, checksum_algorithms: [XXH3_64, CRC32]}, receiver: {max_open_transfers: 16}}
@@ -98,9 +99,17 @@ class FrontendConfig(ConfigSection, frozen=True):
     """Prometheus /metrics on host:metrics_port (0 picks a free port; None turns it off)."""
     timeline_log: str | None = None
     """File that gets every ended request's timeline as one JSON line (None: off)."""
+    http_port: Annotated[int, Meta(ge=0, le=65535)] = 8000
+    """TCP port of the OpenAI-compatible HTTP API on the same host, tokens and TLS; 0 turns it off."""
+    served_model_name: str | None = None
+    """The model name the HTTP API answers to; None: the checkpoint directory's name, or duet-default."""
+    chat_template: str | None = None
+    """Jinja chat template file that overrides the checkpoint's (the HTTP API's chat completions)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("served_model_name", "must not be empty")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert", "tls_cert and tls_key go together")
 

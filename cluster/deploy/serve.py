@@ -1,11 +1,12 @@
-"""`duet serve`: deploy the instances, run the router and the gRPC front end, drain on SIGTERM.
+"""`duet serve`: deploy the instances, run the router and its front ends (gRPC, and the
+OpenAI-compatible HTTP API beside it on `frontend.http_port`), drain on SIGTERM.
 
     async with ServingCluster(config) as cluster:   # instances up, router polling, front end bound
         print(cluster.target)                        # HOST:PORT of the client API
         await cluster.wait_for_stop()                # SIGTERM / SIGINT / stop() -> graceful drain
 
-Draining (SIGTERM, `ray job stop`, Ctrl-C): health reports NOT_SERVING and new requests get
-UNAVAILABLE; requests in flight finish, or end with UNAVAILABLE once `drain_timeout_s` has passed;
+Draining (SIGTERM, `ray job stop`, Ctrl-C): health reports NOT_SERVING (gRPC) and 503 (HTTP /health)
+and new requests get UNAVAILABLE (HTTP: 503); requests in flight finish, or end with UNAVAILABLE once `drain_timeout_s` has passed;
 then the front end, the router and the instance actors stop.
 """
 
@@ -36,12 +37,26 @@ def load_tokenizer(model: str | None):
     return HfTokenizer.from_directory(Path(model))
 
 
+def served_model_name(model: str | None, configured: str | None) -> str:
+    """What the HTTP API's `model` field must say: the configured name, else the checkpoint
+    directory's name, else duet-default (the built-in model)."""
+    if configured is not None:
+        return configured
+    if model is None:
+        from cluster.frontend.http import DEFAULT_SERVED_MODEL_NAME
+
+        return DEFAULT_SERVED_MODEL_NAME
+    return Path(model).resolve().name
+
+
 class ServingCluster:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.deployment = Deployment(config)
         self.router: Router | None = None
         self.frontend = None
+        self.http = None
+        self.http_url = ""
         self.target = ""
         self.metrics = None
         self.metrics_port: int | None = None
@@ -79,9 +94,10 @@ class ServingCluster:
                 logger.error("cannot serve metrics on %s:%s: %s", config.frontend.host, config.frontend.metrics_port, error)
         if config.frontend.timeline_log:
             self.timeline_log = TimelineLog(config.frontend.timeline_log)
+        tokenizer = load_tokenizer(config.model)
         self.router = Router(
             config.router,
-            load_tokenizer(config.model),
+            tokenizer,
             vocab_size=first.vocab_size,
             max_seq_len=min(info.max_seq_len for info in infos),
             tokens_per_block=first.layout.tokens_per_block,
@@ -106,12 +122,58 @@ class ServingCluster:
                 root_certificates_pem=Path(client_ca).read_bytes() if client_ca else certificate,
                 require_client_auth=client_ca is not None,
             )
+        template = None
+        if frontend_config.chat_template is not None:
+            try:
+                template = Path(frontend_config.chat_template).read_text(encoding="utf-8")
+            except OSError as error:
+                raise DeploymentError(f"frontend.chat_template: cannot read it: {error}") from None
+        from worker.tokenizer import chat_prompt_ids
+
+        def chat(messages, add_generation_prompt: bool) -> list[int]:
+            return chat_prompt_ids(tokenizer, messages, add_generation_prompt=add_generation_prompt, template=template)
+
         self.frontend = FrontendServer(
-            self.router, host=frontend_config.host, port=frontend_config.port, tokens=frontend_config.tokens, tls=tls
+            self.router,
+            host=frontend_config.host,
+            port=frontend_config.port,
+            tokens=frontend_config.tokens,
+            tls=tls,
+            chat=chat,
         )
         port = await self.frontend.start()
         self.target = f"{frontend_config.host}:{port}"
         logger.info("serving on %s", self.target)
+        if frontend_config.http_port:
+            await self._start_http(tokenizer, template)
+
+    async def _start_http(self, tokenizer, template: str | None) -> None:
+        from cluster.frontend.http import HttpTls, OpenAIServer
+        from cluster.frontend.service import FrontendError
+
+        frontend_config = self.config.frontend
+        tls = None
+        if frontend_config.tls_cert is not None:
+            tls = HttpTls(frontend_config.tls_cert, frontend_config.tls_key, frontend_config.tls_client_ca)
+        server = OpenAIServer(
+            self.router,
+            tokenizer,
+            served_model_name=served_model_name(self.config.model, frontend_config.served_model_name),
+            host=frontend_config.host,
+            port=frontend_config.http_port,
+            tokens=frontend_config.tokens,
+            tls=tls,
+            registry=self.metrics.registry if self.metrics is not None else None,
+            chat_template=template,
+        )
+        try:
+            await server.start()
+        except FrontendError as error:
+            # As the metrics server: gRPC clients are still served; say so loudly.
+            logger.error("%s; serving gRPC only", error)
+            return
+        self.http = server
+        self.http_url = server.url
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -141,6 +203,8 @@ class ServingCluster:
 
         if self.frontend is not None:
             await step(self.frontend.set_serving(False), "the front end's health switch")
+        if self.http is not None:
+            self.http.set_serving(False)
         if self.router is not None:
             drain_s = self.config.drain_timeout_s
             left = await step(self.router.drain(drain_s), f"the drain (drain_timeout_s {drain_s:g} s)", drain_s + STOP_TIMEOUT_S)
@@ -149,6 +213,9 @@ class ServingCluster:
         if self.frontend is not None:
             await step(self.frontend.stop(2.0), "the gRPC front end", 2.0 + 2 * STOP_TIMEOUT_S)
             self.frontend = None
+        if self.http is not None:
+            await step(self.http.stop(2.0), "the OpenAI HTTP front end", 2.0 + 3 * STOP_TIMEOUT_S)
+            self.http = None
         if self.router is not None:
             try:
                 await self.router.stop()
@@ -178,6 +245,8 @@ async def serve(config: ClusterConfig, *, announce=print) -> int:
         return 3
     cluster.install_signal_handlers()
     announce(f"serving on {cluster.target}")
+    if cluster.http_url:
+        announce(f"OpenAI API on {cluster.http_url}")
     try:
         await cluster.wait_for_stop()
         logger.info("stopping: draining in-flight requests")

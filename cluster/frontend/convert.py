@@ -36,6 +36,11 @@ from worker.kv_transfer.ids import MAX_CLIENT_REQUEST_ID_CHARS, request_id_probl
 from worker.protocol import InstanceRole
 from worker.sampler_types import SampleLogprobs
 from worker.sampling import InvalidSamplingParams, SamplingParams
+from worker.tokenizer import ChatTemplateError
+
+# (messages, add_generation_prompt) -> prompt token ids: worker/tokenizer.py's chat_prompt_ids with
+# the served model's tokenizer and template.
+ChatEncoder = Callable[[list[dict[str, str]], bool], list[int]]
 
 DEFAULT_MAX_TOKENS = 16  # as vLLM
 DEFAULT_PRIORITY = 0.5  # as TensorRT-LLM
@@ -160,18 +165,23 @@ def client_request_from_proto(
     tokenize: Callable[[str], list[int]],
     *,
     call_time_remaining_s: float | None = None,
+    chat: ChatEncoder | None = None,
 ) -> ClientRequest:
     """Validate every rule of the client API and build the router's request.
 
     `call_time_remaining_s` is what is left of the gRPC deadline; the request's timeout becomes the
     smaller of it and the request's own. Cheap checks run before tokenizing (which is O(prompt)).
+    `chat` renders a conversation (`messages`) into prompt ids with the served model's chat
+    template; without it, `messages` is refused.
     """
     prompt_kind = request.WhichOneof("prompt")
     if prompt_kind is None:
-        raise RequestValidationError("prompt", "exactly one of text / token_ids is required")
+        raise RequestValidationError("prompt", "exactly one of text / token_ids / messages is required")
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
-    if prompt_kind == "text":
+    if prompt_kind == "messages":
+        prompt_ids = chat_prompt_from_proto(request.messages, limits, chat)
+    elif prompt_kind == "text":
         prompt_text = request.text
         if not prompt_text:
             raise RequestValidationError("text", "must not be empty")
@@ -184,7 +194,7 @@ def client_request_from_proto(
         prompt_ids = tuple(request.token_ids.ids)
         if not prompt_ids:
             raise RequestValidationError("token_ids", "must not be empty")
-        _check_prompt_length(len(prompt_ids), "token_ids", limits)
+        check_prompt_length(len(prompt_ids), "token_ids", limits)
         largest = max(prompt_ids)
         if largest >= limits.vocab_size:
             raise RequestValidationError(
@@ -216,7 +226,7 @@ def client_request_from_proto(
         prompt_ids = tuple(tokenize(prompt_text))
         if not prompt_ids:
             raise RequestValidationError("text", "tokenizes to no tokens")
-        _check_prompt_length(len(prompt_ids), "text", limits)
+        check_prompt_length(len(prompt_ids), "text", limits)
     assert prompt_ids is not None
     prompt_length = len(prompt_ids)
     if prompt_length + sampling.max_tokens > limits.max_seq_len:
@@ -236,7 +246,29 @@ def client_request_from_proto(
     )
 
 
-def _check_prompt_length(length: int, field: str, limits: ModelLimits) -> None:
+def chat_prompt_from_proto(messages: pb.ChatMessages, limits: ModelLimits, chat: ChatEncoder | None) -> tuple[int, ...]:
+    """A conversation's prompt ids, checked like a prompt's; template errors name "messages"."""
+    if chat is None:
+        raise RequestValidationError("messages", "this server does not render chat templates")
+    if not messages.messages:
+        raise RequestValidationError("messages.messages", "must not be empty")
+    size_bytes = sum(len(m.content.encode("utf-8")) + len(m.role.encode("utf-8")) for m in messages.messages)
+    if size_bytes > MAX_PROMPT_TEXT_BYTES:
+        raise RequestValidationError("messages", f"must be at most {MAX_PROMPT_TEXT_BYTES} bytes of UTF-8, got {size_bytes}")
+    add_generation_prompt = messages.add_generation_prompt if messages.HasField("add_generation_prompt") else True
+    try:
+        ids = tuple(chat([{"role": m.role, "content": m.content} for m in messages.messages], add_generation_prompt))
+    except ChatTemplateError as error:
+        raise RequestValidationError("messages", str(error)) from None
+    if not ids:
+        raise RequestValidationError("messages", "render to no tokens")
+    check_prompt_length(len(ids), "messages", limits)
+    if max(ids) >= limits.vocab_size:
+        raise RequestValidationError("messages", f"id {max(ids)} is outside the vocabulary of {limits.vocab_size}")
+    return ids
+
+
+def check_prompt_length(length: int, field: str, limits: ModelLimits) -> None:
     if length > limits.max_seq_len - 1:
         raise RequestValidationError(
             field,

@@ -54,6 +54,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from cluster.frontend.convert import (
+    ChatEncoder,
     ModelLimits,
     RequestValidationError,
     client_request_from_proto,
@@ -271,8 +272,9 @@ def merge_token_events(events: Sequence[TokenEvent]) -> TokenEvent:
 class DuetService:
     """The four Duet RPCs on top of a router. Holds no request state besides orphan aborts in flight."""
 
-    def __init__(self, router: RouterAPI) -> None:
+    def __init__(self, router: RouterAPI, chat: ChatEncoder | None = None) -> None:
         self._router = router
+        self._chat = chat
         self._orphan_aborts: set[asyncio.Task[None]] = set()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -304,7 +306,11 @@ class DuetService:
         limits = ModelLimits(vocab_size=self._router.vocab_size, max_seq_len=self._router.max_seq_len)
         try:
             client_request = client_request_from_proto(
-                request, limits, self._router.tokenize, call_time_remaining_s=context.time_remaining()
+                request,
+                limits,
+                self._router.tokenize,
+                call_time_remaining_s=context.time_remaining(),
+                chat=self._chat,
             )
         except RequestValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
@@ -418,6 +424,7 @@ class FrontendServer:
         tokens: Sequence[str] = (),
         tls: TlsConfig | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        chat: ChatEncoder | None = None,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise FrontendError(f"host: must be a non-empty string, got {host!r}")
@@ -433,7 +440,7 @@ class FrontendServer:
         self._port = port
         self._tls = tls
         self._max_message_bytes = max_message_bytes
-        self._service = DuetService(router)
+        self._service = DuetService(router, chat)
         self._auth = (
             BearerAuthInterceptor(tokens, exempt_prefixes=(f"/{HEALTH_SERVICE_NAME}/",)) if tokens else None
         )
@@ -449,7 +456,7 @@ class FrontendServer:
 
     @property
     def address(self) -> str:
-        return f"{_host_for_address(self._host)}:{self.port}"
+        return f"{host_for_address(self._host)}:{self.port}"
 
     async def start(self) -> int:
         """Bind, start serving and report SERVING; returns the bound port."""
@@ -467,7 +474,7 @@ class FrontendServer:
         server.add_generic_rpc_handlers((self._service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
-        address = f"{_host_for_address(self._host)}:{self._port}"
+        address = f"{host_for_address(self._host)}:{self._port}"
         try:
             if self._tls is None:
                 bound = server.add_insecure_port(address)
@@ -502,5 +509,5 @@ class FrontendServer:
         logger.info("front end on %s:%s stopped", self._host, self._bound_port)
 
 
-def _host_for_address(host: str) -> str:
+def host_for_address(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -8,7 +8,7 @@ real router (cluster/router/driver.py) and test fakes implement it.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -184,7 +184,7 @@ async def collect(handle: RequestHandle) -> tuple[list[int], FinalEvent]:
 
 
 class RouterAPI(Protocol):
-    """What the gRPC front end needs from the router. All methods run on the router's event loop."""
+    """What the front ends (gRPC, OpenAI HTTP) need from the router. All methods run on the router's event loop."""
 
     vocab_size: int
     max_seq_len: int
@@ -196,6 +196,11 @@ class RouterAPI(Protocol):
     async def submit(self, request: ClientRequest) -> RequestHandle:
         """Validate, admit and place; raises RouterError (INVALID_ARGUMENT naming the field,
         RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when nothing can serve it)."""
+        ...
+
+    async def submit_all(self, requests: Sequence[ClientRequest]) -> list[RequestHandle]:
+        """Admit every request or none (a batch of prompts, n choices): RESOURCE_EXHAUSTED when
+        they do not all fit the admission queue, and then nothing runs."""
         ...
 
     async def abort(self, request_id: str | None = None, client_request_id: str | None = None) -> tuple[bool, str]:

@@ -28,7 +28,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from cluster.router.actions import (
@@ -203,26 +203,47 @@ class Router:
         return list(self.tokenizer.encode(text))
 
     async def submit(self, request: ClientRequest) -> _Handle:
+        return (await self.submit_all((request,)))[0]
+
+    async def submit_all(self, requests: Sequence[ClientRequest]) -> list[_Handle]:
+        """Admit every request or none: a batch of prompts, or a prompt's n choices, is one decision.
+        Every request is checked and its id settled before any is registered, and registering takes
+        no await, so no other submit can take the queue's last places in between."""
         if not self._accepting:
             raise RouterError(ErrorKind.UNAVAILABLE, "the cluster is draining and takes no new requests")
-        if len(self._requests) >= self.config.admission.max_queued_requests:
+        limit = self.config.admission.max_queued_requests
+        if len(self._requests) + len(requests) > limit:
+            more = "" if len(requests) == 1 else f" (a batch of {len(requests)} is admitted whole or not at all)"
             raise RouterError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"{len(self._requests)} requests in flight; the admission limit is {self.config.admission.max_queued_requests}",
+                f"{len(self._requests)} requests in flight; the admission limit is {limit}{more}",
             )
-        prompt = self._validated_prompt(request)
-        params = request.sampling
-        if params.seed is None:
-            params = params.with_seed(self._rng.randrange(MAX_SEED))
-        client_id = request.client_request_id
-        if client_id is not None and client_id in self._by_client_id:
-            raise RouterError(ErrorKind.INVALID_ARGUMENT, f"client_request_id {client_id!r} is in use", "client_request_id")
-        # The client's id, when it gives one, is the request's id (so that operators and chaos
-        # plans can name a request's hops: "<id>.p1", "<id>.g1").
-        request_id = client_id if client_id is not None else f"{self._id_prefix}-{next(self._counter)}"
-        if request_id in self._requests:
-            raise RouterError(ErrorKind.INVALID_ARGUMENT, f"request id {request_id!r} is in use", "client_request_id")
+        prepared = []
+        taken: set[str] = set()
+        for request in requests:
+            prompt = self._validated_prompt(request)
+            params = request.sampling
+            if params.seed is None:
+                params = params.with_seed(self._rng.randrange(MAX_SEED))
+            client_id = request.client_request_id
+            if client_id is not None and (client_id in self._by_client_id or client_id in taken):
+                raise RouterError(ErrorKind.INVALID_ARGUMENT, f"client_request_id {client_id!r} is in use", "client_request_id")
+            # The client's id, when it gives one, is the request's id (so that operators and chaos
+            # plans can name a request's hops: "<id>.p1", "<id>.g1").
+            request_id = client_id if client_id is not None else f"{self._id_prefix}-{next(self._counter)}"
+            if request_id in self._requests or request_id in taken:
+                raise RouterError(ErrorKind.INVALID_ARGUMENT, f"request id {request_id!r} is in use", "client_request_id")
+            taken.add(request_id)
+            prepared.append((request, prompt, params, request_id))
+        entries = [self._register(*item) for item in prepared]
+        self._observe_requests()
+        for entry in entries:
+            await self._run(entry, entry.flow.admit(self._clock(), self.fleet))
+        return [_Handle(entry) for entry in entries]
+
+    def _register(self, request: ClientRequest, prompt: tuple[int, ...], params, request_id: str) -> _Entry:
         now = self._clock()
+        client_id = request.client_request_id
         previous = self._ended.get(request_id)
         flow = RequestFlow(
             request_id=request_id,
@@ -241,9 +262,7 @@ class Router:
         self._requests[request_id] = entry
         if client_id is not None:
             self._by_client_id[client_id] = request_id
-        self._observe_requests()
-        await self._run(entry, flow.admit(now, self.fleet))
-        return _Handle(entry)
+        return entry
 
     async def abort(self, request_id: str | None = None, client_request_id: str | None = None) -> tuple[bool, str]:
         entry = self._lookup(request_id, client_request_id)

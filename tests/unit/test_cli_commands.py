@@ -10,7 +10,7 @@ import json
 import pytest
 from test_frontend_support import FakeRouter, Script, ServerThread, free_port
 
-from cluster.cli.common import EXIT_CODES
+from cluster.cli.common import EXIT_CODES, EXIT_USAGE
 from cluster.cli.main import build_parser, main
 from cluster.cli.status import render_status
 from cluster.router.api import ErrorKind, RouterError
@@ -208,3 +208,25 @@ def test_render_status_without_instances() -> None:
 
     text = render_status(ClusterStatus((), 0, {}, {}, (), 0, "", 0.0))
     assert "no instances registered" in text and "requests by state: -" in text and "placement: -" in text
+
+
+def _chat(messages, add_generation_prompt):
+    text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+    return list(text.encode())
+
+
+def test_generate_chat_sends_messages_rendered_by_the_server(capsys) -> None:
+    with ServerThread(FakeRouter(SCRIPTS), chat=_chat) as chatty:
+        code, _, _ = _run(capsys, "generate", "--message", "system=be brief", "--message", "user=hi", "--target", chatty.target)
+        assert code == 0
+        assert bytes(chatty.router.submitted[-1].prompt_token_ids) == b"<system>be brief<user>hi<assistant>"
+        code, _, _ = _run(capsys, "generate", "--chat", '[{"role": "user", "content": "yo"}]', "--target", chatty.target)
+        assert code == 0
+        assert bytes(chatty.router.submitted[-1].prompt_token_ids) == b"<user>yo<assistant>"
+
+
+def test_generate_chat_usage_errors_and_a_server_without_templates(server, capsys) -> None:
+    code, _, err = _run(capsys, "generate", "--chat", "not json", "--target", server.target)
+    assert code == EXIT_USAGE and "not JSON" in err
+    code, _, err = _run(capsys, "generate", "--message", "user=hi", "--target", server.target)
+    assert code == EXIT_CODES["INVALID_ARGUMENT"] and "messages: this server does not render chat templates" in err
