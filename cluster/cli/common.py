@@ -6,6 +6,10 @@ Exit status: 0 success, 1 an internal or unknown error, 2 a bad command line, an
 end with a gRPC status, one code per class (`EXIT_CODES`): 3 invalid request, 4 authentication,
 5 front end unreachable or nothing can serve, 6 deadline exceeded, 7 overloaded, 8 not found,
 9 cancelled or aborted; 130 interrupted (Ctrl-C). `duet chaos` adds its own (cluster/cli/chaos.py).
+Commands that deploy a cluster (serve, demo, an embedded bench) fail before starting with one code
+per kind of startup problem (`STARTUP_EXIT_CODES`): 10 a configuration file that is not YAML, 11 an
+invalid configuration, 12 a missing or broken model directory, 13 an unreadable file (TLS), 14 a
+port in use, 15 a deployment that failed after it started.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.client import ClientConfigError, ClientTls, DuetClient, DuetError
-from cluster.deploy.config import ClusterConfig
+from cluster.deploy.config import ClusterConfig, ConfigSyntaxError
+from cluster.deploy.preflight import StartupError, StartupProblem
 from cluster.router.config import ConfigError
 from worker.protocol import InstanceRole
 
@@ -46,6 +51,15 @@ EXIT_CODES: dict[str, int] = {
     "ABORTED": 9,
 }
 
+STARTUP_EXIT_CODES: dict[StartupProblem, int] = {
+    StartupProblem.CONFIG_SYNTAX: 10,
+    StartupProblem.CONFIG: 11,
+    StartupProblem.MODEL: 12,
+    StartupProblem.FILE: 13,
+    StartupProblem.PORT: 14,
+    StartupProblem.DEPLOYMENT: 15,
+}
+
 Handler = Callable[[argparse.Namespace], int]
 AddParser = Callable[[argparse._SubParsersAction], None]
 
@@ -58,19 +72,33 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+def startup_failure(error: StartupError) -> CliError:
+    return CliError(str(error), STARTUP_EXIT_CODES[error.kind])
+
+
 def run_handler(handler: Handler, args: argparse.Namespace, prog: str) -> int:
     """Run a subcommand's handler: a CliError is one line on stderr ("PROG: message") and its exit
-    status, Ctrl-C is 130, a reader that left the pipe (`duet generate ... | head`) is not an error."""
+    status, Ctrl-C is 130, a reader that left the pipe (`duet generate ... | head`) is not an error.
+    Any other exception is a bug or an unexpected environment: one line too, and exit status 1; its
+    traceback only with `--log-level DEBUG`, where it is what the user asked for."""
     try:
         return handler(args)
-    except CliError as error:
-        print(f"{prog}: {error}", file=sys.stderr)
-        return error.exit_code
+    except (CliError, StartupError) as error:
+        failure = startup_failure(error) if isinstance(error, StartupError) else error
+        print(f"{prog}: {failure}", file=sys.stderr)
+        return failure.exit_code
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
+    except Exception as error:  # noqa: BLE001 - the CLI's last word on an unexpected failure
+        if getattr(args, "log_level", "INFO") == "DEBUG":
+            raise
+        detail = _first_line(str(error)) if str(error).strip() else ""
+        what = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        print(f"{prog}: unexpected error: {what} (--log-level DEBUG shows the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 def setup_logging(level: str) -> None:
@@ -194,12 +222,26 @@ def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
             frontend["port"] = args.port
         if getattr(args, "auth_token", None):
             frontend["tokens"] = tuple(args.auth_token)
+        if getattr(args, "metrics_port", None) is not None:
+            frontend["metrics_port"] = args.metrics_port
+        if getattr(args, "max_model_len", None) is not None:
+            overrides["engine"] = {**config.engine, "max_seq_len": args.max_model_len}
+        if getattr(args, "drain_timeout", None) is not None:
+            overrides["drain_timeout_s"] = args.drain_timeout
         if frontend:
-            overrides["frontend"] = dataclasses.replace(config.frontend, **frontend)
+            try:
+                overrides["frontend"] = dataclasses.replace(config.frontend, **frontend)
+            except ConfigError as error:
+                raise error.under("frontend") from None
         if overrides:
             config = dataclasses.replace(config, **overrides)
-    except (OSError, ConfigError) as error:
-        raise CliError(f"bad configuration: {error}", EXIT_USAGE) from None
+    except OSError as error:
+        raise startup_failure(
+            StartupError(StartupProblem.CONFIG, f"cannot read the configuration: {error.strerror}", str(args.config))
+        ) from None
+    except ConfigError as error:
+        kind = StartupProblem.CONFIG_SYNTAX if isinstance(error, ConfigSyntaxError) else StartupProblem.CONFIG
+        raise startup_failure(StartupError(kind, f"bad configuration: {error.detail}", error.where)) from None
     return config
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launch import Deployment, DeploymentError, roles_summary
+from cluster.deploy.preflight import StartupError, StartupProblem
 from cluster.router.driver import Router
 from cluster.shutdown import STOP_TIMEOUT_S, StopTimeout, bounded
 
@@ -66,7 +67,7 @@ class ServingCluster:
         fingerprints = {info.layout.model_fingerprint for info in infos}
         if len(fingerprints) != 1:
             await self.shutdown()
-            raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})")
+            raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})", "instances")
         first = infos[0]
         from cluster.router.observe import RouterMetrics, TimelineLog
 
@@ -111,7 +112,8 @@ class ServingCluster:
         )
         port = await self.frontend.start()
         self.target = f"{frontend_config.host}:{port}"
-        logger.info("serving on %s", self.target)
+        # `serve` announces "serving on" itself (once, on stdout), after its signal handlers are in.
+        logger.debug("front end up on %s", self.target)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -168,14 +170,18 @@ class ServingCluster:
 
 
 async def serve(config: ClusterConfig, *, announce=print) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit status."""
+    """Run until SIGTERM/SIGINT; returns the process exit status. A deployment that fails raises
+    StartupError (after stopping what it started), for the CLI to word as one line."""
+    from cluster.frontend.service import FrontendError
+
     cluster = ServingCluster(config)
     try:
         await cluster.start()
-    except DeploymentError as error:
-        logger.error("%s", error)
+    except (DeploymentError, FrontendError) as error:
         await cluster.shutdown()
-        return 3
+        where = error.where if isinstance(error, DeploymentError) else f"{config.frontend.host}:{config.frontend.port}, frontend.port"
+        kind = StartupProblem.DEPLOYMENT if isinstance(error, DeploymentError) else StartupProblem.PORT
+        raise StartupError(kind, str(error).splitlines()[0], where) from None
     cluster.install_signal_handlers()
     announce(f"serving on {cluster.target}")
     try:

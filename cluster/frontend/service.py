@@ -481,7 +481,8 @@ class FrontendServer:
         self._server = server
         self._bound_port = bound
         await self.set_serving(True)
-        logger.info("front end serving on %s:%d%s", self._host, bound, " (TLS)" if self._tls else "")
+        # Debug only: the command that started the front end announces "serving on" once.
+        logger.debug("front end serving on %s:%d%s", self._host, bound, " (TLS)" if self._tls else "")
         return bound
 
     async def set_serving(self, serving: bool) -> None:

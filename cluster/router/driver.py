@@ -179,7 +179,8 @@ class Router:
         now = self._clock()
         member = self.fleet.register(client, info, now, self._wall(now))
         member.task = asyncio.create_task(self._poll_loop(member), name=f"poll-{info.instance_id}")
-        logger.info("registered instance %s (%s) at %s", info.instance_id, info.role.name, info.transfer_address)
+        where = f" at {info.transfer_address}" if info.transfer_address else " (no KV receiver)"
+        logger.info("registered instance %s (%s)%s", info.instance_id, info.role.name, where)
         return info
 
     def set_accepting(self, accepting: bool) -> None:
