@@ -46,6 +46,7 @@ class ServingCluster:
         self.target = ""
         self.metrics = None
         self.metrics_port: int | None = None
+        self.model_info = None
         self.timeline_log = None
         self._stop = asyncio.Event()
 
@@ -69,9 +70,19 @@ class ServingCluster:
             await self.shutdown()
             raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})", "instances")
         first = infos[0]
-        from cluster.router.observe import RouterMetrics, TimelineLog
+        from cluster.router.observe import ModelInfo, RouterMetrics, TimelineLog
 
+        self.model_info = ModelInfo(
+            model=config.model or "built-in",
+            architecture=first.architecture or "unknown",
+            dtype=first.layout.dtype,
+            max_model_len=min(info.max_seq_len for info in infos),
+            kv_capacity_tokens=min(info.num_blocks for info in infos) * first.layout.tokens_per_block,
+        )
+        # Once, at startup: `dtype: auto` resolves on the instances, and this is where it is said.
+        logger.info("serving model %s", self.model_info.describe())
         self.metrics = RouterMetrics()
+        self.metrics.set_model(self.model_info)
         if config.frontend.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(config.frontend.host, config.frontend.metrics_port)
@@ -89,6 +100,7 @@ class ServingCluster:
             seed=config.seed,
             metrics=self.metrics,
             timeline_log=self.timeline_log,
+            model_info=self.model_info,
         )
         await self.router.start()
         for client in clients:

@@ -115,6 +115,11 @@ class KvAwareParams(_PolicyParams, frozen=True, tag="kv_aware"):
 PolicyParams = RoundRobinParams | LeastLoadedParams | KvAwareParams
 
 
+def policy_name(params: PolicyParams) -> str:
+    """The name a policy is configured by (`kv_aware`), for what users read."""
+    return str(type(params).__struct_config__.tag)
+
+
 class DisaggMode(Enum):
     """ALWAYS: every request takes the prefill hop. NEVER: every request runs colocated on a
     GENERATION/MIXED instance (a colocated deployment). CONDITIONAL: the thresholds decide."""

@@ -135,7 +135,7 @@ def test_status_table(server, capsys) -> None:
     code, out, _ = _run(capsys, "status", "--target", server.target)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["INSTANCE", "ROLE", "HEALTH", "FREE/TOTAL", "CACHED", "QUEUED", "RUNNING", "XFERS", "REPORTED", "ADDRESS"]
+    assert lines[0].split() == ["INSTANCE", "ROLE", "HEALTH", "KV", "BLOCKS", "FREE/TOTAL", "CACHED", "BLOCKS", "QUEUED", "RUNNING", "XFERS", "REPORTED", "ADDRESS"]
     assert lines[1].split() == ["p0", "PREFILL", "HEALTHY", "90/128", "7", "1", "2", "1", "1.5s", "ago", "127.0.0.1:7001"]
     assert lines[2].split()[:4] == ["g0", "GENERATION", "DRAINING", "10/256"]
     assert "queue depth: 3" in lines
@@ -143,6 +143,7 @@ def test_status_table(server, capsys) -> None:
     assert "requests by outcome: COMPLETE=40, ERROR=2" in lines
     assert "placement: kv_aware" in lines
     assert "transfer recovery: retry_transfer -> recompute_local -> fail (at most 3 attempts)" in lines
+    assert "model: built-in (LlamaForCausalLM, float32, context 2048 tokens, KV capacity 4096 tokens per instance)" in lines
 
 
 def test_status_json(server, capsys) -> None:
