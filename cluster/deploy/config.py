@@ -136,7 +136,9 @@ class ClusterConfig(ConfigSection, frozen=True):
     model: str | None = None
     """A local Hugging Face checkpoint directory; None: the embedded default model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Model and KV dtype; auto: bfloat16 where the device supports it, else float32."""
+    """Model and KV dtype. auto: for a checkpoint, its own dtype on CPU, and on GPU bfloat16 (float16
+    where unsupported) for a float32 one (worker/device.py); for the built-in model, bfloat16 where
+    the device computes it natively, else float32. The choice is logged and shown by `duet status`."""
     device: str = "auto"
     """auto, cpu, cuda or cuda:N."""
     instances: tuple[InstanceGroup, ...] = DEFAULT_GROUPS
