@@ -29,7 +29,8 @@ from cluster.deploy.preflight import StartupError, StartupProblem
 from cluster.router.config import ConfigError
 from worker.protocol import InstanceRole
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_PORT = 50051
+DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
 TOKEN_ENV = "DUET_TOKEN"
 
 EXIT_OK = 0
@@ -121,7 +122,10 @@ class ConnectionWording:
 
 def add_connection_options(group: argparse._ActionsContainer, wording: ConnectionWording = ConnectionWording()) -> None:
     """--target, --token, --tls-*: how to reach the gRPC front end."""
-    group.add_argument("--target", default=wording.target_default, metavar="HOST:PORT", help=wording.target_help)
+    group.add_argument(
+        "--target", default=wording.target_default, type=with_default_port, metavar="HOST[:PORT]",
+        help=f"{wording.target_help}; without a port, {DEFAULT_PORT}",
+    )
     group.add_argument("--token", default=None, help=f"bearer token (default: ${TOKEN_ENV} if set)")
     group.add_argument("--tls-ca", default=None, metavar="FILE", help=wording.tls_ca_help)
     group.add_argument("--tls-cert", default=None, metavar="FILE", help=wording.tls_cert_help)
@@ -131,6 +135,21 @@ def add_connection_options(group: argparse._ActionsContainer, wording: Connectio
 def add_target_options(parser: argparse.ArgumentParser) -> None:
     """The connection flags in their own help group (generate, status)."""
     add_connection_options(parser.add_argument_group("front end connection"))
+
+
+def with_default_port(target: str) -> str:
+    """HOST:PORT from a --target; a bare host gets duet's port, where gRPC would silently take 443.
+    Targets with a scheme (dns:///, unix:, ipv4:) are gRPC's business and stay as given."""
+    if "://" in target or target.startswith(("unix:", "ipv4:", "ipv6:", "dns:")):
+        return target
+    if target.startswith("["):  # [IPv6] or [IPv6]:PORT
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    colons = target.count(":")
+    if colons == 0:
+        return f"{target}:{DEFAULT_PORT}"
+    if colons > 1:  # a bare IPv6 address
+        return f"[{target}]:{DEFAULT_PORT}"
+    return target
 
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:

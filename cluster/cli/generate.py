@@ -5,6 +5,8 @@
 
 The text goes to stdout as it arrives and a one-line summary (finish reason, token counts, TTFT,
 total time) to stderr; --json prints every response message as one JSON object per line instead.
+On a terminal, control characters in the text are written escaped (`\x1b`), never raw: a model's
+output must not move the cursor, retitle the window or hide text. Piped, the text is as generated.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+import unicodedata
 from typing import Any, TextIO
 
 from google.protobuf.json_format import MessageToDict
@@ -78,6 +81,7 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
     started_s = time.monotonic()
     first_token_s: float | None = None
     wrote_text = False
+    terminal = out.isatty()
     result = None
     try:
         for event in client.generate_request(request):
@@ -87,7 +91,7 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
             if event.token_ids and first_token_s is None:
                 first_token_s = time.monotonic() - started_s
             if event.text:
-                out.write(event.text)
+                out.write(printable(event.text) if terminal else event.text)
                 out.flush()
                 wrote_text = True
     finally:
@@ -104,3 +108,15 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
         f"cached={result.usage.cached_tokens} ttft={ttft} total={total_s:.3f}s\n"
     )
     err.flush()
+
+
+_KEPT_CONTROLS = frozenset("\n\t")
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (C0, DEL, C1; newline and tab kept) written as escapes."""
+    if all(ch in _KEPT_CONTROLS or unicodedata.category(ch) != "Cc" for ch in text):
+        return text
+    return "".join(
+        ch if ch in _KEPT_CONTROLS or unicodedata.category(ch) != "Cc" else ascii(ch)[1:-1] for ch in text
+    )

@@ -24,6 +24,7 @@ SCRIPTS = {
     "busy": Script(submit_error=RouterError(ErrorKind.RESOURCE_EXHAUSTED, "admission queue is full")),
     "gone": Script(submit_error=RouterError(ErrorKind.UNAVAILABLE, "no healthy instance")),
     "late": Script(submit_error=RouterError(ErrorKind.DEADLINE_EXCEEDED, "deadline passed")),
+    "controls": Script(tokens=(((27,), "\x1b[2J"), ((7,), "ok\x07\n\tend\x9b"))),
 }
 
 
@@ -209,3 +210,34 @@ def test_render_status_without_instances() -> None:
 
     text = render_status(ClusterStatus((), 0, {}, {}, (), 0, "", 0.0))
     assert "no instances registered" in text and "requests by state: -" in text and "placement: -" in text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_generate_escapes_control_bytes_on_a_terminal(server, monkeypatch, capsys) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    code = main(["generate", "controls", "--target", server.target])
+    assert code == 0 and terminal.getvalue() == "\\x1b[2Jok\\x07\n\tend\\x9b\n"
+    monkeypatch.undo()
+    code, out, _ = _run(capsys, "generate", "controls", "--target", server.target)
+    assert code == 0 and out == "\x1b[2Jok\x07\n\tend\x9b\n"  # piped: as generated
+
+
+@pytest.mark.parametrize(
+    ("given", "target"),
+    [
+        ("localhost", "localhost:50051"),
+        ("localhost:7000", "localhost:7000"),
+        ("::1", "[::1]:50051"),
+        ("[::1]", "[::1]:50051"),
+        ("[::1]:7000", "[::1]:7000"),
+        ("dns:///duet.example:443", "dns:///duet.example:443"),
+        ("unix:/tmp/duet.sock", "unix:/tmp/duet.sock"),
+    ],
+)
+def test_a_target_without_a_port_gets_duets(given, target) -> None:
+    assert build_parser().parse_args(["status", "--target", given]).target == target
