@@ -37,6 +37,7 @@ from cluster.cli.common import (
     CliError,
     ConnectionWording,
     add_connection_options,
+    add_log_level,
     client_options,
     load_cluster_config,
     rpc_failure,
@@ -105,13 +106,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--config", metavar="FILE", help="embedded: cluster configuration (YAML)")
     target.add_argument("--address", default=None, metavar="ADDR", help="embedded: the Ray cluster to deploy on")
     target.add_argument("--model", default=None, metavar="DIR", help="embedded: a local Hugging Face checkpoint")
-    target.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    target.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None, help="embedded: model and KV dtype")
     target.add_argument("--device", default=None, metavar="DEV", help="embedded: auto, cpu or cuda")
     for role in ("prefill", "generation", "mixed"):
         target.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"embedded: {role.upper()} instances")
 
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt"), default=None)
+    workload.add_argument(
+        "--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt"), default=None,
+        help="what the requests look like (default: fixed)",
+    )
     workload.add_argument("--dataset", default=None, metavar="FILE", help="a ShareGPT-format JSON file (--workload sharegpt)")
     workload.add_argument("--input-len", type=int, default=None, metavar="N",
                           help="prompt tokens (mean for lognormal; suffix for shared-prefix; per turn for multi-turn)")
@@ -148,7 +152,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     output.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     output.add_argument("--quick", action="store_true", help="a few seconds of load (CI smoke test)")
-    output.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level(output, "WARNING")
     parser.set_defaults(handler=run)
 
 

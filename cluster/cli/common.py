@@ -102,6 +102,36 @@ def run_handler(handler: Handler, args: argparse.Namespace, prog: str) -> int:
         return EXIT_INTERNAL
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_log_level(parser: argparse._ActionsContainer, default: str) -> None:
+    parser.add_argument(
+        "--log-level", default=default, choices=LOG_LEVELS,
+        help="log to stderr from this level on; DEBUG also shows the traceback of an unexpected error",
+    )
+
+
+def add_old_spelling(parser: argparse._ActionsContainer, old: str, new: str, dest: str, **kwargs: Any) -> None:
+    """`old`, an earlier spelling of `new`, still accepted for one release and hidden from --help."""
+    parser.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows every flag's default: appended where the help text does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.option_strings and "default" not in text and "(" not in text
+            and default not in (None, False, argparse.SUPPRESS, [], ())
+        ):
+            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            text = f"{text} (default: {shown})" if text else f"(default: {shown})"
+        return text
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
@@ -133,8 +163,9 @@ def add_connection_options(group: argparse._ActionsContainer, wording: Connectio
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:
-    """The connection flags in their own help group (generate, status)."""
+    """The connection flags in their own help group (generate, status), and --log-level."""
     add_connection_options(parser.add_argument_group("front end connection"))
+    add_log_level(parser, "WARNING")
 
 
 def with_default_port(target: str) -> str:
@@ -209,11 +240,14 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
         help="the Ray cluster to join (default: $RAY_ADDRESS, else an embedded local cluster)",
     )
     parser.add_argument("--model", metavar="DIR", default=None, help="a local Hugging Face checkpoint (default: the built-in tiny model)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
-    parser.add_argument("--device", default=None, metavar="DEV", help="auto, cpu or cuda")
+    parser.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
+        help="model and KV dtype (default: the configuration's dtype, auto: a checkpoint's own on CPU)",
+    )
+    parser.add_argument("--device", default=None, metavar="DEV", help="auto, cpu or cuda (default: the configuration's device, auto)")
     for role in ("prefill", "generation", "mixed"):
-        parser.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"number of {role.upper()} instances")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+        parser.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"number of {role.upper()} instances (default: the configuration's, 1 PREFILL + 1 GENERATION)")
+    add_log_level(parser, "INFO")
 
 
 def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:

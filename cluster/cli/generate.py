@@ -20,7 +20,16 @@ from typing import Any, TextIO
 
 from google.protobuf.json_format import MessageToDict
 
-from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_target_options, connect, rpc_failure
+from cluster.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_old_spelling,
+    add_target_options,
+    connect,
+    rpc_failure,
+    setup_logging,
+)
 from cluster.client import ClientConfigError, Delta, DuetClient, DuetError, build_generate_request
 
 
@@ -33,18 +42,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("prompt", metavar="PROMPT", help='the prompt text ("-" reads it from stdin)')
     parser.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens to generate at most (16)")
     parser.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy (server default 1.0)")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K")
-    parser.add_argument("--seed", type=int, default=None, metavar="S", help="the same seed gives the same tokens")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass, in (0, 1] (server default 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens (server default: off)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="the same seed gives the same tokens (default: unseeded)")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="end the request after S seconds")
+    parser.add_argument(
+        "--request-timeout", dest="timeout", type=float, default=None, metavar="S",
+        help="end the request after S seconds (default: no limit)",
+    )
+    add_old_spelling(parser, "--timeout", "--request-timeout", "timeout", type=float)
     parser.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     add_target_options(parser)
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         request = build_generate_request(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from cluster.cli.common import add_cluster_options, load_cluster_config, setup_logging
+from cluster.cli.common import add_cluster_options, add_old_spelling, load_cluster_config, setup_logging
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -27,9 +27,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Prometheus /metrics port (default: frontend.metrics_port, 9464; 0 picks a free one)",
     )
     parser.add_argument(
-        "--token", "--auth-token", dest="auth_token", action="append", default=[], metavar="TOKEN",
+        "--token", dest="auth_token", action="append", default=[], metavar="TOKEN",
         help="accept this bearer token from clients (repeatable; at least 16 characters; default: no authentication)",
     )
+    add_old_spelling(parser, "--auth-token", "--token", "auth_token", action="append")
     parser.add_argument(
         "--max-model-len", type=int, default=None, metavar="TOKENS",
         help="the engine's maximum sequence length, prompt + output (default: engine.max_seq_len, else the model's context)",

@@ -15,7 +15,15 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_target_options, connect, rpc_failure
+from cluster.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_target_options,
+    connect,
+    rpc_failure,
+    setup_logging,
+)
 from cluster.client import ClusterStatus, DuetClient, DuetError, cluster_status_from_proto
 
 
@@ -33,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
     if args.watch is not None and not args.watch > 0:
         raise CliError("--watch: must be a positive number of seconds", EXIT_USAGE)
     if args.count is not None and args.count < 1:

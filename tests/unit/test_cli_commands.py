@@ -4,6 +4,7 @@ class with one-line messages, connection refused."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 
@@ -241,3 +242,40 @@ def test_generate_escapes_control_bytes_on_a_terminal(server, monkeypatch, capsy
 )
 def test_a_target_without_a_port_gets_duets(given, target) -> None:
     assert build_parser().parse_args(["status", "--target", given]).target == target
+
+
+def _subparsers():
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_every_flag_has_help_and_every_command_a_log_level() -> None:
+    for name, parser in _subparsers().items():
+        flags = {option for action in parser._actions for option in action.option_strings}
+        assert "--log-level" in flags, name
+        for action in parser._actions:
+            if action.option_strings and action.help is not argparse.SUPPRESS:
+                assert action.help, f"duet {name} {action.option_strings[0]} has no help text"
+        text = parser.format_help()
+        assert "(default: " in text or name == "demo", name
+
+
+@pytest.mark.parametrize(
+    ("command", "new", "old", "dest", "value", "parsed"),
+    [
+        ("chaos", "--num-requests", "--requests", "requests", "7", 7),
+        ("chaos", "--out", None, "out", "results", "results"),
+        ("chaos", "--json-out", None, "json_out", "x.json", "x.json"),
+        ("generate", "--request-timeout", "--timeout", "timeout", "2.5", 2.5),
+        ("serve", "--token", "--auth-token", "auth_token", "0123456789abcdef", ["0123456789abcdef"]),
+    ],
+)
+def test_one_vocabulary_with_old_spellings_hidden(command, new, old, dest, value, parsed) -> None:
+    extra = ["hi"] if command == "generate" else []
+    for flag in filter(None, (new, old)):
+        args = build_parser().parse_args([command, *extra, flag, value])
+        assert getattr(args, dest) == parsed, flag
+    if old is not None:
+        text = _subparsers()[command].format_help()
+        assert new in text and old not in text.replace(new, "")
