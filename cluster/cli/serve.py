@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 
 from cluster.cli.common import add_cluster_options, add_old_spelling, load_cluster_config, setup_logging
 
@@ -44,13 +46,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # The router/deploy stack is imported when a command deploys, so that every `duet` start stays fast.
-    from cluster.deploy.preflight import check_before_start
+    from cluster.deploy.preflight import check_before_start, drain_warning
     from cluster.deploy.serve import serve
 
     setup_logging(args.log_level)
     config = load_cluster_config(args)
     # Before Ray: a mistake found here is one line in a second, not a traceback after a deployment.
     check_before_start(config)
+    warning = drain_warning(config, os.environ)
+    if warning:
+        logging.getLogger("cluster.cli.serve").warning("%s", warning)
 
     def announce(line: str) -> None:
         print(line, flush=True)

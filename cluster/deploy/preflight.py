@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import errno
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,28 @@ def check_before_start(config: ClusterConfig) -> None:
         if file is not None:
             check_readable(file, f"frontend.{setting}")
     check_ports(ports_to_bind(config))
+
+
+# Ray's job supervisor SIGKILLs a stopped job this long after its SIGTERM unless the job's runtime
+# environment sets RAY_JOB_STOP_WAIT_TIME_S (the supervisor reads it there, not from duet).
+RAY_JOB_STOP_WAIT_DEFAULT_S = 3
+
+
+def drain_warning(config: ClusterConfig, environ: Mapping[str, str]) -> str | None:
+    """Under `ray job submit`, a warning when `ray job stop` would kill the drain part way."""
+    if "RAY_JOB_ID" not in environ and "RAY_JOB_CONFIG_JSON_ENV_VAR" not in environ:
+        return None
+    raw = environ.get("RAY_JOB_STOP_WAIT_TIME_S")
+    try:
+        wait_s = int(raw) if raw is not None else RAY_JOB_STOP_WAIT_DEFAULT_S
+    except ValueError:
+        return f"RAY_JOB_STOP_WAIT_TIME_S={raw!r} is not a whole number of seconds"
+    if wait_s > config.drain_timeout_s:
+        return None
+    return (
+        f"`ray job stop` kills this job {wait_s} s after SIGTERM, before the {config.drain_timeout_s:g} s drain "
+        "can end: submit with --runtime-env-json '{\"env_vars\": {\"RAY_JOB_STOP_WAIT_TIME_S\": \"<more>\"}}'"
+    )
 
 
 def check_model_directory(model: str) -> None:

@@ -172,3 +172,25 @@ def test_root_cause_of_a_ray_error() -> None:
         "worker.loader.CheckpointError: /models/m: neither model.safetensors nor an index found\n"
     )
     assert root_cause(RuntimeError(text)) == "worker.loader.CheckpointError: /models/m: neither model.safetensors nor an index found"
+
+
+@pytest.mark.parametrize("name", ["cluster-cpu.yaml", "cluster-gpu.yaml"])
+def test_the_example_configurations_load(name) -> None:
+    from pathlib import Path
+
+    from cluster.deploy.config import ClusterConfig
+
+    config = ClusterConfig.from_yaml(Path(__file__).resolve().parents[2] / "examples" / name)
+    assert config.drain_timeout_s >= 30
+
+
+def test_a_ray_job_without_stop_wait_time_is_warned() -> None:
+    from cluster.deploy.config import ClusterConfig
+    from cluster.deploy.preflight import drain_warning
+
+    config = ClusterConfig(drain_timeout_s=30.0)
+    assert drain_warning(config, {}) is None  # not a Ray job
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    assert "kills this job 3 s after SIGTERM, before the 30 s drain" in drain_warning(config, job)
+    assert drain_warning(config, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "45"}) is None
+    assert "not a whole number" in drain_warning(config, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "1.5"})
