@@ -48,7 +48,7 @@ from cluster.client import AsyncDuetClient, DuetError
 from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.arrivals import ArrivalError, Arrivals, FixedConcurrency, PoissonArrivals
 from cluster.loadgen.metrics import Slo, SloError
-from cluster.loadgen.plots import PlotsUnavailable, plot_all
+from cluster.loadgen.plots import PlotsUnavailable, caption, plot_all
 from cluster.loadgen.report import (
     TargetValue,
     envelope,
@@ -351,13 +351,26 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _workload_words(settings: BenchSettings) -> str:
+    workload = settings.workload
+    return f"{workload.kind.value} ({workload.input_len} in / {workload.output_len} out, {workload.num_requests} requests)"
+
+
+def _target_words(cluster_description: dict[str, Any]) -> str:
+    if "target" in cluster_description:
+        return str(cluster_description["target"])
+    groups = ", ".join(f"{g['count']} {g['role']}" for g in cluster_description.get("embedded", ()))
+    return f"embedded ({groups}; {cluster_description.get('model')}, {cluster_description.get('dtype')})"
+
+
 def write_outputs(settings: BenchSettings, results: Sequence[PointResult], cluster_description: dict[str, Any]) -> None:
     """Plots, results.json, the table, and the envelope as the very last stdout line."""
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
     if settings.plots:
         try:
-            plots = [str(path) for path in plot_all(results, settings.out_dir)]
+            text = caption(_workload_words(settings), _target_words(cluster_description))
+            plots = [str(path) for path in plot_all(results, settings.out_dir, text)]
         except PlotsUnavailable as error:
             print(f"duet bench: plots skipped: {error}", file=sys.stderr)
     document = results_document(settings.describe() | {"cluster": cluster_description}, results, plots)
