@@ -172,6 +172,14 @@ class ClusterConfig(ConfigSection, frozen=True):
         super().__post_init__()
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.cluster_token is not None:
+            # Each instance checks it when it starts, after the deployment: check it here, at load.
+            from worker.kv_transfer.auth import TokenError, check_token
+
+            try:
+                check_token(self.cluster_token)
+            except TokenError as error:
+                raise ConfigError("cluster_token", str(error)) from None
         if not any(group.count for group in self.instances):
             raise ConfigError("instances", "deploys no instance")
         roles = {group.role for group in self.instances if group.count}

@@ -82,6 +82,9 @@ def test_short_token_is_a_configuration_error(tmp_path, capsys, no_ray) -> None:
     )
     code, line = _serve(capsys, no_ray, "--token", "secret")
     assert code == 11 and line.endswith("(frontend.tokens[0])") and "secret" not in line.split("(")[0]
+    config.write_text("cluster_token: short\n")
+    code, line = _serve(capsys, no_ray, "--config", str(config))
+    assert code == 11 and line.endswith(f"(cluster_token in {config})") and "short" not in line.split("(")[0]
 
 
 def test_missing_model_directory(capsys, no_ray) -> None:
