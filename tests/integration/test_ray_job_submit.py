@@ -55,12 +55,15 @@ def _ray(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess.C
 @pytest.fixture
 def head():
     temp_dir = tempfile.mkdtemp(prefix="duetray", dir="/tmp")
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port, agent_port = _free_port(), _free_port(), _free_port()
     process = subprocess.Popen(
         [
             str(BIN / "ray"), "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            # The job agent's HTTP port is fixed (52365) unless given: another Ray on this machine
+            # holding it leaves the head without a job agent ("No available agent").
+            f"--dashboard-agent-listen-port={agent_port}",
             "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
         ],
         env=_env(),
