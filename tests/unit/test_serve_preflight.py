@@ -197,3 +197,21 @@ def test_a_ray_job_without_stop_wait_time_is_warned() -> None:
     assert "kills this job 3 s after SIGTERM, before the 30 s drain" in drain_warning(config, job)
     assert drain_warning(config, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "45"}) is None
     assert "not a whole number" in drain_warning(config, {**job, "RAY_JOB_STOP_WAIT_TIME_S": "1.5"})
+
+
+def test_serve_flags_land_in_the_configuration() -> None:
+    from cluster.cli.common import load_cluster_config
+    from cluster.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["serve", "--metrics-port", "9999", "--max-model-len", "1024", "--drain-timeout", "45", "--token", "t" * 16]
+    )
+    config = load_cluster_config(args)
+    assert config.frontend.metrics_port == 9999 and config.frontend.tokens == ("t" * 16,)
+    assert config.engine["max_seq_len"] == 1024 and config.drain_timeout_s == 45.0
+    assert all(config.engine_config(group).max_seq_len == 1024 for group in config.instances)
+
+
+def test_a_bad_max_model_len_is_a_configuration_error(capsys, no_ray) -> None:
+    code, line = _serve(capsys, no_ray, "--max-model-len", "0")
+    assert code == 11 and line.startswith("duet serve: bad configuration:") and "max_seq_len" in line
