@@ -91,7 +91,7 @@ def cluster_config(colocated: bool, seed: int) -> ClusterConfig:
             "device": "cpu",
             "instances": instances,
             "engine": dict(ENGINE),
-            "frontend": {"port": 0, "metrics_port": None},
+            "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
             # Logical CPUs for an embedded Ray: every instance of every variant fits whatever the box.
             "ray": {"num_cpus": RAY_NUM_CPUS},
             "seed": seed,

@@ -68,7 +68,7 @@ def cluster_config(policy: str, seed: int) -> ClusterConfig:
             ],
             "engine": dict(ENGINE),
             "router": {"placement": {"prefill_policy": {"name": policy}}},
-            "frontend": {"port": 0, "metrics_port": None},
+            "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
             # Logical CPUs for an embedded Ray: every instance of every variant fits whatever the box.
             "ray": {"num_cpus": RAY_NUM_CPUS},
             "seed": seed,

@@ -1,8 +1,13 @@
 """Resolve the user's device and dtype choices ("auto" included) into torch values.
 
-"auto" prefers CUDA when present; dtype "auto" picks bfloat16 only where the hardware computes it
-natively (a CUDA device that supports it, or a CPU with native bf16 instructions), otherwise float32:
-emulated bf16 on a CPU without those instructions is slower than fp32, so "auto" must not pick it.
+"auto" prefers CUDA when present. dtype "auto" for a checkpoint (`resolve_model_dtype`) follows
+vLLM: on a CPU the checkpoint's own dtype, so that results match what it was saved in (bfloat16
+instead of a float32 checkpoint changes greedy tokens within a few steps); on a GPU a float32 (or
+unstated) checkpoint runs in bfloat16 where the GPU supports it, else float16, and a half-precision
+checkpoint in its dtype (float16 for bfloat16 where bfloat16 is unsupported). For the built-in model
+(`resolve_dtype`), "auto" picks bfloat16 only where the hardware computes it natively (a CUDA device
+that supports it, or a CPU with native bf16 instructions), otherwise float32: emulated bf16 on a CPU
+without those instructions is slower than fp32.
 """
 
 from __future__ import annotations
@@ -74,6 +79,19 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if dtype is None:
         raise DeviceConfigError("dtype", f"must be 'auto' or one of {sorted(DTYPE_BY_NAME)}, got {spec!r}")
     return dtype
+
+
+def resolve_model_dtype(spec: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """`resolve_dtype` for a checkpoint whose config.json names `checkpoint_dtype` (None: unstated,
+    which transformers and vLLM read as float32)."""
+    if spec != "auto":
+        return resolve_dtype(spec, device)
+    saved = DTYPE_BY_NAME[checkpoint_dtype or "float32"]
+    if device.type != "cuda":
+        return saved
+    if saved is torch.float32 or saved is torch.bfloat16:
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return saved
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -238,6 +238,7 @@ class Instance:
             pid=os.getpid(),
             device=str(model.device),
             node_id=_node_id(),
+            architecture=model.config.architecture,
         )
         self._encoder = Encoder()
         self._decoder: Decoder[Command] = Decoder(Command)

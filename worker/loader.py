@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from worker.device import resolve_device, resolve_dtype
+from worker.device import resolve_device, resolve_model_dtype
 from worker.model import DecoderLM
 from worker.model_config import GenerationConfig, ModelConfig
 from worker.tokenizer import HfTokenizer
@@ -138,7 +138,9 @@ def load_checkpoint(
         raise CheckpointError(f"{directory} is not a directory")
     config = load_model_config(directory)
     resolved_device = device if isinstance(device, torch.device) else resolve_device(device)
-    resolved_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, resolved_device)
+    resolved_dtype = (
+        dtype if isinstance(dtype, torch.dtype) else resolve_model_dtype(dtype, resolved_device, config.checkpoint_dtype)
+    )
     model = DecoderLM(config, dtype=resolved_dtype, device=resolved_device)
     load_weights(model, directory)
     return model, load_generation_config(directory, config)

@@ -321,6 +321,7 @@ class InstanceInfo(_Reply):
     pid: int
     device: str
     node_id: str = ""  # the Ray node hosting it (its hostname outside Ray)
+    architecture: str = ""  # the model's architecture (LlamaForCausalLM, ...), for what users read
 
 
 class PollBatch(_Reply):

@@ -38,6 +38,7 @@ from cluster.cli.common import (
     CliError,
     ConnectionWording,
     add_connection_options,
+    add_log_level,
     client_options,
     load_cluster_config,
     rpc_failure,
@@ -48,7 +49,7 @@ from cluster.client import AsyncDuetClient, DuetError
 from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.arrivals import ArrivalError, Arrivals, FixedConcurrency, PoissonArrivals
 from cluster.loadgen.metrics import Slo, SloError
-from cluster.loadgen.plots import PlotsUnavailable, plot_all
+from cluster.loadgen.plots import PlotsUnavailable, caption, plot_all
 from cluster.loadgen.report import (
     TargetValue,
     envelope,
@@ -111,13 +112,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     target.add_argument("--config", metavar="FILE", help="embedded: cluster configuration (YAML)")
     target.add_argument("--address", default=None, metavar="ADDR", help="embedded: the Ray cluster to deploy on")
     target.add_argument("--model", default=None, metavar="DIR", help="embedded: a local Hugging Face checkpoint")
-    target.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    target.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None, help="embedded: model and KV dtype")
     target.add_argument("--device", default=None, metavar="DEV", help="embedded: auto, cpu or cuda")
     for role in ("prefill", "generation", "mixed"):
         target.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"embedded: {role.upper()} instances")
 
     workload = parser.add_argument_group("workload")
-    workload.add_argument("--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt"), default=None)
+    workload.add_argument(
+        "--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt"), default=None,
+        help="what the requests look like (default: fixed)",
+    )
     workload.add_argument("--dataset", default=None, metavar="FILE", help="a ShareGPT-format JSON file (--workload sharegpt)")
     workload.add_argument("--input-len", type=int, default=None, metavar="N",
                           help="prompt tokens (mean for lognormal; suffix for shared-prefix; per turn for multi-turn)")
@@ -154,7 +158,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     output.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     output.add_argument("--quick", action="store_true", help="a few seconds of load (CI smoke test)")
-    output.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level(output, "WARNING")
     parser.set_defaults(handler=run)
 
 
@@ -391,13 +395,26 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _workload_words(settings: BenchSettings) -> str:
+    workload = settings.workload
+    return f"{workload.kind.value} ({workload.input_len} in / {workload.output_len} out, {workload.num_requests} requests)"
+
+
+def _target_words(cluster_description: dict[str, Any]) -> str:
+    if "target" in cluster_description:
+        return str(cluster_description["target"])
+    groups = ", ".join(f"{g['count']} {g['role']}" for g in cluster_description.get("embedded", ()))
+    return f"embedded ({groups}; {cluster_description.get('model')}, {cluster_description.get('dtype')})"
+
+
 def write_outputs(settings: BenchSettings, results: Sequence[PointResult], cluster_description: dict[str, Any]) -> None:
     """Plots, results.json, the table, and the envelope as the very last stdout line."""
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
     if settings.plots:
         try:
-            plots = [str(path) for path in plot_all(results, settings.out_dir)]
+            text = caption(_workload_words(settings), _target_words(cluster_description))
+            plots = [str(path) for path in plot_all(results, settings.out_dir, text)]
         except PlotsUnavailable as error:
             print(f"duet bench: plots skipped: {error}", file=sys.stderr)
     document = results_document(settings.describe() | {"cluster": cluster_description}, results, plots)

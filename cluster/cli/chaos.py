@@ -13,10 +13,19 @@ cannot be deployed. `main` is the same command on its own (bench/chaos_soak.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, run_handler, setup_logging
+from cluster.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_log_level,
+    add_old_spelling,
+    run_handler,
+    setup_logging,
+)
 from cluster.loadgen.chaos_plan import SoakConfig, SoakConfigError, SoakError
 from cluster.router.config import ConfigError
 
@@ -42,7 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SoakConfig()
-    parser.add_argument("--requests", type=int, default=defaults.requests, metavar="N", help=f"requests to send ({defaults.requests})")
+    parser.add_argument(
+        "--num-requests", dest="requests", type=int, default=defaults.requests, metavar="N",
+        help=f"requests to send ({defaults.requests})",
+    )
+    add_old_spelling(parser, "--requests", "--num-requests", "requests", type=int)
     parser.add_argument("--seed", type=int, default=defaults.seed, metavar="S", help="seed of the workload, the fault plan and the kills")
     parser.add_argument(
         "--fault-rate", type=float, default=defaults.fault_rate, metavar="F",
@@ -64,15 +77,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the Ray cluster to join (default: an embedded local one; $RAY_ADDRESS is honoured)",
     )
     parser.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "bfloat16", "float16"), help="model and KV dtype")
     parser.add_argument("--device", default=defaults.device, metavar="DEV", help="auto, cpu or cuda")
     parser.add_argument(
         "--lost-after", type=float, default=defaults.lost_after_s, metavar="S",
         help=f"an accepted request without a final event after S seconds is lost ({defaults.lost_after_s:g})",
     )
-    parser.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON object to FILE")
+    parser.add_argument("--out", default=None, metavar="DIR", help="also write the JSON object to DIR/results.json (default: stdout only)")
+    add_old_spelling(parser, "--json-out", "--out", "json_out", metavar="FILE")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--log-level", default="ERROR", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level(parser, "ERROR")
 
 
 def config_from_args(args: argparse.Namespace) -> SoakConfig:
@@ -110,16 +124,29 @@ def run(args: argparse.Namespace) -> int:
     except SoakError as error:
         raise CliError(str(error), EXIT_DEPLOY) from None
     line = report.json_line()
-    if args.json_out:
+    out_file, flag = _out_file(args)
+    if out_file is not None:
         try:
-            with open(args.json_out, "w", encoding="utf-8") as handle:
+            if flag == "--out":
+                os.makedirs(args.out, exist_ok=True)
+            with open(out_file, "w", encoding="utf-8") as handle:
                 handle.write(line + "\n")
         except OSError as error:
-            raise CliError(f"--json-out: cannot write {args.json_out}: {error.strerror}", EXIT_USAGE) from None
+            raise CliError(f"{flag}: cannot write {out_file}: {error.strerror}", EXIT_USAGE) from None
     sys.stdout.write(report.table())
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
     return EXIT_OK if report.ok else EXIT_INVARIANT_BROKEN
+
+
+def _out_file(args: argparse.Namespace) -> tuple[str | None, str]:
+    """Where the JSON object goes: DIR/results.json (--out DIR, as `duet bench`), or the FILE of the
+    old spelling --json-out."""
+    if getattr(args, "json_out", None):
+        return args.json_out, "--json-out"
+    if args.out:
+        return os.path.join(args.out, "results.json"), "--out"
+    return None, "--out"
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "duet chaos") -> int:

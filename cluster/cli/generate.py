@@ -7,6 +7,8 @@
 
 The text goes to stdout as it arrives and a one-line summary (finish reason, token counts, TTFT,
 total time) to stderr; --json prints every response message as one JSON object per line instead.
+On a terminal, control characters in the text are written escaped (`\x1b`), never raw: a model's
+output must not move the cursor, retitle the window or hide text. Piped, the text is as generated.
 """
 
 from __future__ import annotations
@@ -15,11 +17,21 @@ import argparse
 import json
 import sys
 import time
+import unicodedata
 from typing import Any, TextIO
 
 from google.protobuf.json_format import MessageToDict
 
-from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_target_options, connect, rpc_failure
+from cluster.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_old_spelling,
+    add_target_options,
+    connect,
+    rpc_failure,
+    setup_logging,
+)
 from cluster.client import ClientConfigError, Delta, DuetClient, DuetError, build_generate_request
 
 
@@ -43,12 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=16, metavar="N", help="tokens to generate at most (16)")
     parser.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy (server default 1.0)")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K")
-    parser.add_argument("--seed", type=int, default=None, metavar="S", help="the same seed gives the same tokens")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass, in (0, 1] (server default 1.0)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="sample among the K likeliest tokens (server default: off)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S", help="the same seed gives the same tokens (default: unseeded)")
     parser.add_argument("--stop", action="append", default=[], metavar="STR", help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="end the request after S seconds")
+    parser.add_argument(
+        "--request-timeout", dest="timeout", type=float, default=None, metavar="S",
+        help="end the request after S seconds (default: no limit)",
+    )
+    add_old_spelling(parser, "--timeout", "--request-timeout", "timeout", type=float)
     parser.add_argument("--json", action="store_true", help="print each response message as one JSON object per line")
     add_target_options(parser)
     parser.set_defaults(handler=run)
@@ -80,6 +96,7 @@ def chat_messages(args: argparse.Namespace) -> list[dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
     if args.chat or args.message:
         prompt: Any = chat_messages(args)
     elif args.prompt is None:
@@ -121,6 +138,7 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
     started_s = time.monotonic()
     first_token_s: float | None = None
     wrote_text = False
+    terminal = out.isatty()
     result = None
     try:
         for event in client.generate_request(request):
@@ -130,7 +148,7 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
             if event.token_ids and first_token_s is None:
                 first_token_s = time.monotonic() - started_s
             if event.text:
-                out.write(event.text)
+                out.write(printable(event.text) if terminal else event.text)
                 out.flush()
                 wrote_text = True
     finally:
@@ -147,3 +165,15 @@ def _generate_text(client: DuetClient, request: Any, out: TextIO, err: TextIO) -
         f"cached={result.usage.cached_tokens} ttft={ttft} total={total_s:.3f}s\n"
     )
     err.flush()
+
+
+_KEPT_CONTROLS = frozenset("\n\t")
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (C0, DEL, C1; newline and tab kept) written as escapes."""
+    if all(ch in _KEPT_CONTROLS or unicodedata.category(ch) != "Cc" for ch in text):
+        return text
+    return "".join(
+        ch if ch in _KEPT_CONTROLS or unicodedata.category(ch) != "Cc" else ascii(ch)[1:-1] for ch in text
+    )

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 from cluster.cli import bench, chaos, demo, generate, serve, status
-from cluster.cli.common import EXIT_OK, AddParser, Handler, run_handler
+from cluster.cli.common import EXIT_OK, AddParser, Handler, HelpFormatter, run_handler
 
 SUBCOMMANDS: tuple[AddParser, ...] = (
     generate.add_parser,
@@ -38,10 +38,17 @@ SUBCOMMANDS: tuple[AddParser, ...] = (
 def build_parser(subcommands: Sequence[AddParser] = SUBCOMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duet", description="duet: disaggregated LLM serving on Ray")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Every subcommand's --help shows each flag's default (common.HelpFormatter).
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for add in subcommands:
         add(subparsers)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

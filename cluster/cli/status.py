@@ -15,7 +15,15 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_target_options, connect, rpc_failure
+from cluster.cli.common import (
+    EXIT_OK,
+    EXIT_USAGE,
+    CliError,
+    add_target_options,
+    connect,
+    rpc_failure,
+    setup_logging,
+)
 from cluster.client import ClusterStatus, DuetClient, DuetError, cluster_status_from_proto
 
 
@@ -33,6 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
     if args.watch is not None and not args.watch > 0:
         raise CliError("--watch: must be a positive number of seconds", EXIT_USAGE)
     if args.count is not None and args.count < 1:
@@ -76,7 +85,7 @@ def _watch(client: DuetClient, args: argparse.Namespace) -> int:
 
 def render_status(status: ClusterStatus) -> str:
     """The human table of `duet status`."""
-    header = ("INSTANCE", "ROLE", "HEALTH", "FREE/TOTAL", "CACHED", "QUEUED", "RUNNING", "XFERS", "REPORTED", "ADDRESS")
+    header = ("INSTANCE", "ROLE", "HEALTH", "KV BLOCKS FREE/TOTAL", "CACHED BLOCKS", "QUEUED", "RUNNING", "XFERS", "REPORTED", "ADDRESS")
     rows = [
         (
             i.instance_id,
@@ -100,12 +109,18 @@ def render_status(status: ClusterStatus) -> str:
     else:
         lines.append("no instances registered")
     lines.append("")
+    model = status.model
+    if model is not None:
+        lines.append(
+            f"model: {model.name} ({model.architecture}, {model.dtype}, context {model.max_model_len} tokens, "
+            f"KV capacity {model.kv_capacity_tokens} tokens per instance)"
+        )
     lines.append(f"queue depth: {status.queue_depth}")
     lines.append(f"requests by state: {_counts(status.requests_by_state)}")
     lines.append(f"requests by outcome: {_counts(status.requests_by_outcome)}")
     lines.append(f"placement: {status.placement_policy or '-'}")
-    fallbacks = " -> ".join(status.fallbacks) if status.fallbacks else "-"
-    lines.append(f"transfer recovery: {fallbacks} (at most {status.max_recovery_attempts} attempts)")
+    chain = " -> ".join(status.fallbacks) if status.fallbacks else "-"
+    lines.append(f"transfer recovery: {chain} (at most {status.max_recovery_attempts} attempts)")
     return "\n".join(lines) + "\n"
 
 

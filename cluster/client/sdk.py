@@ -227,6 +227,19 @@ class ClusterStatus:
     max_recovery_attempts: int
     placement_policy: str
     timestamp_s: float
+    model: ModelStatus | None = None
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What the cluster serves: checkpoint ("built-in" for the built-in model), architecture, the
+    dtype it computes in, its context length and the KV capacity of its smallest instance (tokens)."""
+
+    name: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    kv_capacity_tokens: int
 
 
 @dataclass(frozen=True)
@@ -448,6 +461,13 @@ def cluster_status_from_proto(response: pb.ClusterStatusResponse) -> ClusterStat
         max_recovery_attempts=response.max_recovery_attempts,
         placement_policy=response.placement_policy,
         timestamp_s=_time_s(response.timestamp),
+        model=ModelStatus(
+            name=response.model.name,
+            architecture=response.model.architecture,
+            dtype=response.model.dtype,
+            max_model_len=response.model.max_model_len,
+            kv_capacity_tokens=response.model.kv_capacity_tokens,
+        ) if response.HasField("model") else None,
     )
 
 

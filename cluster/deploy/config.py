@@ -112,6 +112,15 @@ class FrontendConfig(ConfigSection, frozen=True):
             raise ConfigError("served_model_name", "must not be empty")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert", "tls_cert and tls_key go together")
+        # The front end's auth interceptor refuses a weak token when it starts, which is after the
+        # whole deployment is up: check here, at load, so that the mistake costs no deployment.
+        from worker.kv_transfer.auth import TokenError, check_token
+
+        for index, token in enumerate(self.tokens):
+            try:
+                check_token(token)
+            except TokenError as error:
+                raise ConfigError(f"tokens[{index}]", str(error)) from None
 
 
 @dataclass_compatible
@@ -136,7 +145,9 @@ class ClusterConfig(ConfigSection, frozen=True):
     model: str | None = None
     """A local Hugging Face checkpoint directory; None: the embedded default model."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Model and KV dtype; auto: bfloat16 where the device supports it, else float32."""
+    """Model and KV dtype. auto: for a checkpoint, its own dtype on CPU, and on GPU bfloat16 (float16
+    where unsupported) for a float32 one (worker/device.py); for the built-in model, bfloat16 where
+    the device computes it natively, else float32. The choice is logged and shown by `duet status`."""
     device: str = "auto"
     """auto, cpu, cuda or cuda:N."""
     instances: tuple[InstanceGroup, ...] = DEFAULT_GROUPS
@@ -170,6 +181,14 @@ class ClusterConfig(ConfigSection, frozen=True):
         super().__post_init__()
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ConfigError("device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.cluster_token is not None:
+            # Each instance checks it when it starts, after the deployment: check it here, at load.
+            from worker.kv_transfer.auth import TokenError, check_token
+
+            try:
+                check_token(self.cluster_token)
+            except TokenError as error:
+                raise ConfigError("cluster_token", str(error)) from None
         if not any(group.count for group in self.instances):
             raise ConfigError("instances", "deploys no instance")
         roles = {group.role for group in self.instances if group.count}
@@ -201,11 +220,19 @@ class ClusterConfig(ConfigSection, frozen=True):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        """Read and load a YAML file: a syntax error is a ConfigSyntaxError naming file, line and
+        column; any other problem a ConfigError whose path says it came from this file."""
         import yaml
 
         text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text) or {}
-        return cls.from_dict(data)
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ConfigSyntaxError.from_yaml(path, error) from None
+        try:
+            return cls.from_dict(data)
+        except ConfigError as error:
+            raise error.in_file(str(path)) from None
 
     def with_instances(self, counts: Mapping[InstanceRole, int]) -> ClusterConfig:
         """Replace the instance counts per role (flags such as --prefill 2 --generation 2)."""
@@ -223,6 +250,22 @@ class ClusterConfig(ConfigSection, frozen=True):
             placement = msgspec.structs.replace(router.placement, disaggregation=DisaggMode.NEVER)
             router = msgspec.structs.replace(router, placement=placement)
         return msgspec.structs.replace(self, instances=tuple(new), router=router)
+
+
+class ConfigSyntaxError(ConfigError):
+    """The configuration file is not valid YAML; `path` is FILE:LINE:COLUMN (1-based)."""
+
+    @property
+    def where(self) -> str:
+        return self.path
+
+    @classmethod
+    def from_yaml(cls, file: str | Path, error: Exception) -> ConfigSyntaxError:
+        mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(file)
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        context = getattr(error, "context", None)
+        return cls(where, f"YAML syntax error: {problem}" + (f" {context}" if context else ""))
 
 
 def _colocated_without_prefill(data: Mapping[str, Any]) -> Mapping[str, Any]:

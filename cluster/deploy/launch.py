@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,28 @@ ACTOR_MAX_CONCURRENCY = 16
 
 
 class DeploymentError(RuntimeError):
-    """The deployment cannot be satisfied or did not come up in time (the message says why)."""
+    """The deployment cannot be satisfied or did not come up in time (the message says why;
+    `where` names the instance or the Ray cluster)."""
+
+    def __init__(self, message: str, where: str = "the Ray cluster") -> None:
+        super().__init__(message)
+        self.where = where
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def root_cause(error: BaseException) -> str:
+    """The line of a Ray error that says what went wrong: Ray's text is the remote traceback with
+    terminal colours, and its last exception line ("CheckpointError: ...") is the cause."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException) and not type(cause).__module__.startswith("ray"):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    lines = [line.strip() for line in _ANSI.sub("", str(error)).splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b:?", line):
+            return line
+    return lines[-1] if lines else type(error).__name__
 
 
 @dataclass(frozen=True)
@@ -92,7 +114,8 @@ def check_resources(planned: list[PlannedInstance], nodes: list[dict[str, Any]],
                 if not any(c.get(name, 0.0) >= amount for c in capacities)
             ] or [f"{demand} together on one node"]
             raise DeploymentError(
-                f"instance {item.instance_id} ({item.group.role.name}) needs {', '.join(missing)}: no node can host it"
+                f"instance {item.instance_id} ({item.group.role.name}) needs {', '.join(missing)}: no node can host it",
+                item.instance_id,
             )
     needed: dict[str, float] = {}
     for item in planned:
@@ -164,14 +187,15 @@ class Deployment:
             if not_ready:
                 late = [iid for iid, ref in pending.items() if ref in not_ready]
                 raise DeploymentError(
-                    f"instances {late} did not start within {self.config.actor_start_timeout_s:g}s "
-                    f"(waiting for resources? available: {ray.available_resources()})"
+                    f"instances did not start within {self.config.actor_start_timeout_s:g}s "
+                    f"(waiting for resources? available: {ray.available_resources()})",
+                    ", ".join(late),
                 )
             for instance_id, ref in pending.items():
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayError as error:
-                    raise DeploymentError(f"instance {instance_id} failed to start: {error}") from None
+                    raise DeploymentError(f"instance failed to start: {root_cause(error)}", instance_id) from None
         except BaseException:
             self.stop()
             raise

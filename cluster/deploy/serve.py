@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launch import Deployment, DeploymentError, roles_summary
+from cluster.deploy.preflight import StartupError, StartupProblem
 from cluster.router.driver import Router
 from cluster.shutdown import STOP_TIMEOUT_S, StopTimeout, bounded
 
@@ -60,6 +61,7 @@ class ServingCluster:
         self.target = ""
         self.metrics = None
         self.metrics_port: int | None = None
+        self.model_info = None
         self.timeline_log = None
         self._stop = asyncio.Event()
 
@@ -81,11 +83,21 @@ class ServingCluster:
         fingerprints = {info.layout.model_fingerprint for info in infos}
         if len(fingerprints) != 1:
             await self.shutdown()
-            raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})")
+            raise DeploymentError(f"instances serve different models (fingerprints {sorted(fingerprints)})", "instances")
         first = infos[0]
-        from cluster.router.observe import RouterMetrics, TimelineLog
+        from cluster.router.observe import ModelInfo, RouterMetrics, TimelineLog
 
+        self.model_info = ModelInfo(
+            model=config.model or "built-in",
+            architecture=first.architecture or "unknown",
+            dtype=first.layout.dtype,
+            max_model_len=min(info.max_seq_len for info in infos),
+            kv_capacity_tokens=min(info.num_blocks for info in infos) * first.layout.tokens_per_block,
+        )
+        # Once, at startup: `dtype: auto` resolves on the instances, and this is where it is said.
+        logger.info("serving model %s", self.model_info.describe())
         self.metrics = RouterMetrics()
+        self.metrics.set_model(self.model_info)
         if config.frontend.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(config.frontend.host, config.frontend.metrics_port)
@@ -104,6 +116,7 @@ class ServingCluster:
             seed=config.seed,
             metrics=self.metrics,
             timeline_log=self.timeline_log,
+            model_info=self.model_info,
         )
         await self.router.start()
         for client in clients:
@@ -143,7 +156,8 @@ class ServingCluster:
         )
         port = await self.frontend.start()
         self.target = f"{frontend_config.host}:{port}"
-        logger.info("serving on %s", self.target)
+        # `serve` announces "serving on" itself (once, on stdout), after its signal handlers are in.
+        logger.debug("front end up on %s", self.target)
         if frontend_config.http_port:
             await self._start_http(tokenizer, template)
 
@@ -235,14 +249,18 @@ class ServingCluster:
 
 
 async def serve(config: ClusterConfig, *, announce=print) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit status."""
+    """Run until SIGTERM/SIGINT; returns the process exit status. A deployment that fails raises
+    StartupError (after stopping what it started), for the CLI to word as one line."""
+    from cluster.frontend.service import FrontendError
+
     cluster = ServingCluster(config)
     try:
         await cluster.start()
-    except DeploymentError as error:
-        logger.error("%s", error)
+    except (DeploymentError, FrontendError) as error:
         await cluster.shutdown()
-        return 3
+        where = error.where if isinstance(error, DeploymentError) else f"{config.frontend.host}:{config.frontend.port}, frontend.port"
+        kind = StartupProblem.DEPLOYMENT if isinstance(error, DeploymentError) else StartupProblem.PORT
+        raise StartupError(kind, str(error).splitlines()[0], where) from None
     cluster.install_signal_handlers()
     announce(f"serving on {cluster.target}")
     if cluster.http_url:

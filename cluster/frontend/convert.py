@@ -401,4 +401,11 @@ def cluster_view_to_proto(view: ClusterView) -> pb.ClusterStatusResponse:
         max_recovery_attempts=view.max_recovery_attempts,
         placement_policy=view.placement_policy,
         timestamp=timestamp(view.timestamp_s),
+        model=None if view.model is None else pb.ModelStatus(
+            name=view.model.model,
+            architecture=view.model.architecture,
+            dtype=view.model.dtype,
+            max_model_len=view.model.max_model_len,
+            kv_capacity_tokens=view.model.kv_capacity_tokens,
+        ),
     )

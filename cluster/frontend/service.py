@@ -7,8 +7,9 @@
     await server.stop(grace_s=10.0)
 
 Besides Duet it serves the standard `grpc.health.v1.Health` service (SERVING for "" and for
-"duet_wire.v1.Duet" until `set_serving(False)`) and server reflection, so grpcurl and
-grpc_health_probe work against it.
+"duet_wire.v1.Duet" until `set_serving(False)`) and server reflection, both
+`grpc.reflection.v1` (what newer grpcurl and Postman ask for) and `grpc.reflection.v1alpha`, so
+grpcurl and grpc_health_probe work against it.
 
 Edge rules (docs/architecture.md, "Invariants"): every Generate request is parsed and validated
 here, before the router is called, and bad input ends with INVALID_ARGUMENT naming the field by its
@@ -51,7 +52,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from cluster.frontend.convert import (
     ChatEncoder,
@@ -473,7 +474,7 @@ class FrontendServer:
         )
         server.add_generic_rpc_handlers((self._service.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+        _enable_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME), server)
         address = f"{host_for_address(self._host)}:{self._port}"
         try:
             if self._tls is None:
@@ -488,7 +489,8 @@ class FrontendServer:
         self._server = server
         self._bound_port = bound
         await self.set_serving(True)
-        logger.info("front end serving on %s:%d%s", self._host, bound, " (TLS)" if self._tls else "")
+        # Debug only: the command that started the front end announces "serving on" once.
+        logger.debug("front end serving on %s:%d%s", self._host, bound, " (TLS)" if self._tls else "")
         return bound
 
     async def set_serving(self, serving: bool) -> None:
@@ -507,6 +509,24 @@ class FrontendServer:
         await self._service.wait_for_orphan_aborts(ORPHAN_ABORT_WAIT_S)
         self._server = None
         logger.info("front end on %s:%s stopped", self._host, self._bound_port)
+
+
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
+
+
+def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    """Server reflection under both names. grpcio-reflection ships only v1alpha; v1 is the same
+    protocol (message for message, field for field) in another package, so one servicer answers
+    both, v1 through a handler registered under its own name."""
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE_NAME, {"ServerReflectionInfo": v1}),))
 
 
 def host_for_address(host: str) -> str:

@@ -305,7 +305,7 @@ def faulty_cluster_config(config: SoakConfig) -> ClusterConfig:
             "engine": _engine_settings(),
             "router": router,
             # A free metrics port: a `duet serve` on this machine may hold the default one.
-            "frontend": {"port": 0, "metrics_port": 0},
+            "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},
             "faults": fault_plan(config.seed, config.fault_rate),
             "ray": {"address": config.address},
             "max_restarts": config.num_kills + 3,
@@ -325,7 +325,7 @@ def replay_cluster_config(config: SoakConfig) -> ClusterConfig:
             "instances": [{"role": "MIXED", "count": 1, "num_cpus": config.num_cpus_per_instance}],
             "engine": _engine_settings(),
             "router": router,
-            "frontend": {"port": 0, "metrics_port": None},
+            "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
             "ray": {"address": config.address},
             "seed": config.seed,
         }

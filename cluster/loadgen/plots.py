@@ -1,6 +1,10 @@
-"""PNG plots of a benchmark: latency CDFs (one figure per sweep point) and throughput and goodput
-against the swept rate or concurrency. matplotlib is imported here, lazily, with the Agg backend
-(no display needed); it is a dev dependency, so a missing one is a typed error the CLI reports."""
+"""PNG plots of a benchmark: latency CDFs (one figure per sweep point, p50 and p99 marked) and
+throughput and goodput against the swept rate or concurrency. Every figure carries a caption that
+names the workload, the load and the target, so that a PNG read on its own says what it measured.
+A throughput plot needs two or more points: a single-point run's throughput is a number (in the
+table and results.json), and a lone dot on an axis says nothing more, so it is not drawn.
+matplotlib is imported here, lazily, with the Agg backend (no display needed); it is a dev
+dependency, so a missing one is a typed error the CLI reports."""
 
 from __future__ import annotations
 
@@ -10,7 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from cluster.loadgen.arrivals import PoissonArrivals
+from cluster.loadgen.metrics import percentile
 from cluster.loadgen.report import PointResult
+
+# The percentiles marked on each latency CDF, with their line styles.
+MARKED_PERCENTILES = ((50, "--"), (99, ":"))
 
 
 class PlotsUnavailable(RuntimeError):
@@ -48,29 +56,44 @@ def latency_series_ms(result: PointResult) -> dict[str, list[float]]:
     }
 
 
-def plot_latency_cdf(result: PointResult, out_dir: Path) -> Path:
+def _caption(figure: Any, caption: str) -> None:
+    if caption:
+        figure.text(0.5, 0.01, caption, ha="center", va="bottom", fontsize=8, color="0.3", wrap=True)
+
+
+def plot_latency_cdf(result: PointResult, out_dir: Path, caption: str = "") -> Path:
     plt = _pyplot()
     series = latency_series_ms(result)
-    figure, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.4))
+    figure, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.8))
     for axis, (name, values) in zip(axes, series.items(), strict=True):
         if values:
             xs, ys = _cdf(values)
-            axis.step(xs, ys, where="post")
+            axis.step(xs, ys, where="post", color="tab:blue")
+            for q, style in MARKED_PERCENTILES:
+                value = percentile(values, q)
+                axis.axvline(value, linestyle=style, color="tab:red", linewidth=1, label=f"p{q} {value:.3g} ms")
+            axis.legend(loc="lower right", fontsize=8)
+        else:
+            axis.text(0.5, 0.5, "no samples", ha="center", va="center", transform=axis.transAxes)
         axis.set_title(name)
         axis.set_xlabel("ms")
         axis.set_ylim(0, 1.02)
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     figure.suptitle(f"latency CDF, {result.arrivals.label}")
-    figure.tight_layout()
+    _caption(figure, f"{caption}; {result.arrivals.label}" if caption else result.arrivals.label)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
     path = out_dir / f"latency_cdf_{_slug(result.arrivals.label)}.png"
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
 
 
-def plot_throughput(results: Sequence[PointResult], out_dir: Path) -> Path:
-    """Request throughput and goodput (left), output token throughput (right) against the load."""
+def plot_throughput(results: Sequence[PointResult], out_dir: Path, caption: str = "") -> Path | None:
+    """Request throughput and goodput (left), output token throughput (right) against the load;
+    None (no plot) for fewer than two points."""
+    if len(results) < 2:
+        return None
     plt = _pyplot()
     ordered = sorted(results, key=lambda r: r.arrivals.x_value)
     numeric = all(math.isfinite(r.arrivals.x_value) for r in ordered)
@@ -93,15 +116,24 @@ def plot_throughput(results: Sequence[PointResult], out_dir: Path) -> Path:
     right.set_xlabel(axis_name)
     right.set_ylabel("output tokens/s")
     right.grid(alpha=0.3)
-    figure.tight_layout()
+    _caption(figure, caption)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
     path = out_dir / "throughput_goodput.png"
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
 
 
-def plot_all(results: Sequence[PointResult], out_dir: Path) -> list[Path]:
+def plot_all(results: Sequence[PointResult], out_dir: Path, caption: str = "") -> list[Path]:
+    """Every plot of a run; `caption` names the workload and the target (see `caption`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [plot_latency_cdf(result, out_dir) for result in results]
-    paths.append(plot_throughput(results, out_dir))
+    paths = [plot_latency_cdf(result, out_dir, caption) for result in results]
+    throughput = plot_throughput(results, out_dir, caption)
+    if throughput is not None:
+        paths.append(throughput)
     return paths
+
+
+def caption(workload: str, target: str) -> str:
+    """"workload fixed (128 in / 64 out, 100 requests); target 10.0.0.5:50051"."""
+    return f"workload {workload}; target {target}"

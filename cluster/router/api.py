@@ -149,6 +149,23 @@ class InstanceView:
 
 
 @dataclass(frozen=True)
+class ModelInfo:
+    """What is served, as logged at startup, shown by `duet status` and exported as duet_model_info."""
+
+    model: str  # the checkpoint directory, or "built-in"
+    architecture: str  # LlamaForCausalLM, ...
+    dtype: str  # the dtype the instances compute in (after `auto` was resolved)
+    max_model_len: int  # the longest sequence (prompt + output), tokens
+    kv_capacity_tokens: int  # KV cache tokens of the smallest instance
+
+    def describe(self) -> str:
+        return (
+            f"{self.model} ({self.architecture}, {self.dtype}, context {self.max_model_len} tokens, "
+            f"KV capacity {self.kv_capacity_tokens} tokens per instance)"
+        )
+
+
+@dataclass(frozen=True)
 class ClusterView:
     instances: tuple[InstanceView, ...]
     queue_depth: int
@@ -159,6 +176,7 @@ class ClusterView:
     placement_policy: str
     timestamp_s: float
     extra: Mapping[str, float] = field(default_factory=dict)
+    model: ModelInfo | None = None
 
 
 class RequestHandle(Protocol):

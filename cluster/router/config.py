@@ -32,16 +32,27 @@ from worker.config import (
 class ConfigError(ValueError):
     """An invalid configuration value; `path` is the dotted path of the offending field."""
 
-    def __init__(self, path: str, message: str) -> None:
+    def __init__(self, path: str, message: str, file: str | None = None) -> None:
         self.path = path
         self.detail = message
+        # The file the configuration came from, when it came from one (ClusterConfig.from_yaml).
+        self.file = file
         super().__init__(f"{path}: {message}")
+
+    @property
+    def where(self) -> str:
+        """Where the problem is: its path, and the file when known ("engine.x in cluster.yaml")."""
+        return f"{self.path} in {self.file}" if self.file else self.path
 
     def under(self, prefix: str) -> ConfigError:
         """The same error with `prefix` prepended to its path (a rule of a section at `prefix`)."""
         if not prefix:
             return self
-        return type(self)(join_path(prefix, self.path), self.detail)
+        return type(self)(join_path(prefix, self.path), self.detail, self.file)
+
+    def in_file(self, file: str) -> ConfigError:
+        """The same error, saying which file it came from."""
+        return type(self)(self.path, self.detail, file)
 
     @classmethod
     def from_problem(cls, problem: ConfigProblem) -> ConfigError:
@@ -102,6 +113,11 @@ class KvAwareParams(_PolicyParams, frozen=True, tag="kv_aware"):
 
 
 PolicyParams = RoundRobinParams | LeastLoadedParams | KvAwareParams
+
+
+def policy_name(params: PolicyParams) -> str:
+    """The name a policy is configured by (`kv_aware`), for what users read."""
+    return str(type(params).__struct_config__.tag)
 
 
 class DisaggMode(Enum):

@@ -48,11 +48,12 @@ from cluster.router.api import (
     ErrorKind,
     FinalEvent,
     InstanceView,
+    ModelInfo,
     RequestEvent,
     RequestView,
     RouterError,
 )
-from cluster.router.config import RouterConfig
+from cluster.router.config import PlacementConfig, RecoveryStep, RouterConfig, policy_name
 from cluster.router.fleet import Fleet, Member
 from cluster.router.flow import Attempt, RequestFlow
 from cluster.router.instance_client import InstanceClient, InstanceRejected, InstanceUnavailable
@@ -78,6 +79,8 @@ class _Entry:
     flow: RequestFlow
     events: asyncio.Queue
     engine_ids: list[str] = field(default_factory=list)
+    # When its last tokens went to the client (router clock): the start of the next ITL gap.
+    last_token_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,10 @@ class Router:
         poll_timeout_s: float | None = None,
         metrics: RouterMetrics | None = None,
         timeline_log: TimelineLog | None = None,
+        model_info: ModelInfo | None = None,
     ) -> None:
         self.config = config
+        self.model_info = model_info  # what is served, for ClusterStatus
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
@@ -178,7 +183,8 @@ class Router:
         now = self._clock()
         member = self.fleet.register(client, info, now, self._wall(now))
         member.task = asyncio.create_task(self._poll_loop(member), name=f"poll-{info.instance_id}")
-        logger.info("registered instance %s (%s) at %s", info.instance_id, info.role.name, info.transfer_address)
+        where = f" at {info.transfer_address}" if info.transfer_address else " (no KV receiver)"
+        logger.info("registered instance %s (%s)%s", info.instance_id, info.role.name, where)
         return info
 
     def set_accepting(self, accepting: bool) -> None:
@@ -322,11 +328,12 @@ class Router:
             queue_depth=by_state.get(GlobalState.QUEUED.name, 0),
             requests_by_state=dict(by_state),
             requests_by_outcome=dict(observer.outcomes),
-            fallbacks=tuple(sorted(kind.value for kind in placement.allowed_fallbacks)),
+            # client.proto's `fallbacks`: the recovery chain, the steps a failed transfer goes through.
+            fallbacks=tuple(_recovery_step(step) for step in self.config.recovery.chain),
             max_recovery_attempts=sum(step.max_attempts for step in self.config.recovery.chain[:-1]),
-            placement_policy=f"prefill={type(placement.prefill_policy).__name__}, "
-            f"generation={type(placement.generation_policy).__name__}, disaggregation={placement.disaggregation.value}",
+            placement_policy=_placement_summary(placement),
             timestamp_s=self._wall(self._clock()),
+            model=self.model_info,
             extra={
                 "inconsistent_reports": float(observer.inconsistent_reports),
                 "illegal_transitions": float(observer.illegal_transitions),
@@ -511,6 +518,10 @@ class Router:
             flow = entry.flow
             assert flow.first_token_s is not None
             self.observer.first_token(flow.first_token_s - flow.admitted_s)
+        now = self._clock()
+        if entry.last_token_s is not None:
+            self.observer.tokens_after(now - entry.last_token_s, len(action.event.token_ids))
+        entry.last_token_s = now
         entry.events.put_nowait(action.event)
 
     async def _execute_io(self, entry: _Entry, actions: list[Action]) -> None:
@@ -688,3 +699,17 @@ class Router:
     @property
     def transfers(self) -> Counter:
         return self.observer.transfers
+
+
+def _recovery_step(step: RecoveryStep) -> str:
+    """"retry_transfer x2"; a step taken once is its action's name alone."""
+    return step.action.value if step.max_attempts == 1 else f"{step.action.value} x{step.max_attempts}"
+
+
+def _placement_summary(placement: PlacementConfig) -> str:
+    """The placement settings by their configuration names (`kv_aware`, not the Python class)."""
+    fallbacks = ",".join(sorted(kind.value for kind in placement.allowed_fallbacks)) or "none"
+    return (
+        f"prefill={policy_name(placement.prefill_policy)}, generation={policy_name(placement.generation_policy)}, "
+        f"disaggregation={placement.disaggregation.value}, allowed_fallbacks={fallbacks}"
+    )

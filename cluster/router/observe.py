@@ -4,19 +4,23 @@
 ended, a transfer started, a recovery action, an instance's load) and it keeps the counters that
 `ClusterStatus` shows, updates the metrics when they are served, and writes the timeline log.
 
-Metrics live in their own CollectorRegistry (no process globals), served over HTTP by the front end
-process (`frontend.metrics_port`). Latencies are measured at the router, from admission:
+Metrics live in their own CollectorRegistry, served over HTTP by the front end process
+(`frontend.metrics_port`) at /metrics only (any other path is 404). Latencies are measured at the
+router, from admission. Names follow Prometheus' conventions (a unit suffix, `_total` counters,
+`_ratio` for fractions); no `*_created` series, which only double the series count:
 
+- duet_model_info{model,architecture,dtype,max_model_len,kv_capacity_tokens}   1, the served model
 - duet_requests_total{outcome,status}            requests ended, by outcome and gRPC status
-- duet_ttft_seconds / duet_tpot_seconds / duet_e2e_seconds   histograms
+- duet_prompt_tokens_total, duet_generation_tokens_total   tokens of ended requests
+- duet_ttft_seconds / duet_tpot_seconds / duet_itl_seconds / duet_e2e_seconds   histograms
 - duet_state_seconds{state}                       time spent in each global state
 - duet_transfers_total{result}                    KV transfers started / committed / failed
 - duet_transfer_failures_total{reason}            by FailureReason
 - duet_transfer_bytes_total, duet_transfer_seconds   pushed bytes and push durations
 - duet_recovery_actions_total{action}             retry_transfer, recompute_local, ...
-- duet_instance_kv_utilization{instance,role}     used / total blocks, per instance
+- duet_instance_kv_utilization_ratio{instance,role}   used / total blocks, per instance
 - duet_instance_queued_requests / _running_requests / _healthy{instance,role}
-- duet_router_in_flight, duet_router_queue_depth  requests in the router
+- duet_router_in_flight, duet_router_queue_depth  requests in the router (0 when idle)
 
 The timeline log writes, for every request that ends, one JSON line: ids, outcome, finish reason,
 error, usage, instances used and the state timeline (wall-clock seconds), for offline analysis.
@@ -29,13 +33,22 @@ import json
 import logging
 import threading
 from collections import Counter as Tally
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from cluster.router.actions import NoteInconsistent, TransferNote
-from cluster.router.api import FinalEvent, InstanceHealthView
+from cluster.router.api import FinalEvent, InstanceHealthView, ModelInfo
 from cluster.router.config import RecoveryAction
 
 if TYPE_CHECKING:
@@ -51,11 +64,23 @@ _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # prometheus_client's switch is process-wide; every registry of this process wants it off.
+        disable_created_metrics()
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.model_info = Gauge(
+            "duet_model_info", "The served model (value 1)",
+            ["model", "architecture", "dtype", "max_model_len", "kv_capacity_tokens"], registry=r,
+        )
         self.requests = Counter("duet_requests", "Requests ended, by outcome and status", ["outcome", "status"], registry=r)
+        self.prompt_tokens = Counter("duet_prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.generation_tokens = Counter("duet_generation_tokens", "Generated tokens of ended requests", registry=r)
         self.ttft = Histogram("duet_ttft_seconds", "Admission to first token", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("duet_tpot_seconds", "Mean time per output token after the first", buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.itl = Histogram(
+            "duet_itl_seconds", "Time between consecutive output tokens (a batch of n tokens counts n gaps of 1/n)",
+            buckets=_TOKEN_BUCKETS_S, registry=r,
+        )
         self.e2e = Histogram("duet_e2e_seconds", "Admission to the end of the request", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.state_seconds = Histogram(
             "duet_state_seconds", "Time spent in each global state", ["state"], buckets=_LATENCY_BUCKETS_S, registry=r
@@ -66,7 +91,7 @@ class RouterMetrics:
         self.transfer_seconds = Histogram("duet_transfer_seconds", "KV push durations", buckets=_LATENCY_BUCKETS_S, registry=r)
         self.recovery = Counter("duet_recovery_actions", "Recovery actions taken", ["action"], registry=r)
         labels = ["instance", "role"]
-        self.kv_utilization = Gauge("duet_instance_kv_utilization", "Used / total KV blocks", labels, registry=r)
+        self.kv_utilization = Gauge("duet_instance_kv_utilization_ratio", "Used / total KV blocks", labels, registry=r)
         self.queued = Gauge("duet_instance_queued_requests", "Requests queued in the instance", labels, registry=r)
         self.running = Gauge("duet_instance_running_requests", "Requests running in the instance", labels, registry=r)
         self.healthy = Gauge("duet_instance_healthy", "1 if the router considers the instance healthy", labels, registry=r)
@@ -74,9 +99,16 @@ class RouterMetrics:
         self.queue_depth = Gauge("duet_router_queue_depth", "Requests waiting for placement", registry=r)
         self._server = None
 
+    def set_model(self, info: ModelInfo) -> None:
+        self.model_info.labels(
+            info.model, info.architecture, info.dtype, str(info.max_model_len), str(info.kv_capacity_tokens)
+        ).set(1)
+
     def serve(self, host: str, port: int) -> int:
-        """Serve /metrics over HTTP; returns the bound port (0 picks a free one)."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics over HTTP in a daemon thread; returns the bound port (0 picks a free one)."""
+        server = _MetricsServer((host, port), _MetricsHandler)
+        server.registry = self.registry
+        threading.Thread(target=server.serve_forever, name="duet-metrics", daemon=True).start()
         self._server = server
         bound = server.server_address[1]
         logger.info("metrics on http://%s:%d/metrics", host, bound)
@@ -85,7 +117,56 @@ class RouterMetrics:
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()
             self._server = None
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+    registry: CollectorRegistry
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics, nothing else: prometheus_client's own server answers every path, so a client
+    that mistook this port for an API got a metrics page or a 405 instead of a plain 404."""
+
+    server: _MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.split("?", 1)[0] != "/metrics":
+            self._plain(404, "not found: metrics are at /metrics\n")
+            return
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._plain(404 if self.path.split("?", 1)[0] != "/metrics" else 405, "")
+
+    def _other(self) -> None:
+        if self.path.split("?", 1)[0] == "/metrics":
+            self._plain(405, "method not allowed: GET /metrics\n", allow="GET")
+        else:
+            self._plain(404, "not found: metrics are at /metrics\n")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _other  # noqa: N815
+
+    def _plain(self, status: int, text: str, allow: str | None = None) -> None:
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        if allow:
+            self.send_header("Allow", allow)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - scrapes are not news
+        logger.debug("metrics: " + format, *args)
 
 
 class TimelineLog:
@@ -157,6 +238,8 @@ class RouterObserver:
         if metrics is None:
             return
         metrics.requests.labels(final.outcome.value, final.error_kind.value if final.error_kind else "OK").inc()
+        metrics.prompt_tokens.inc(final.usage.prompt_tokens)
+        metrics.generation_tokens.inc(final.usage.completion_tokens)
         metrics.e2e.observe(now_s - flow.admitted_s)
         produced = len(flow.outputs)
         if flow.first_token_s is not None and produced > 1:
@@ -168,6 +251,15 @@ class RouterObserver:
     def first_token(self, ttft_s: float) -> None:
         if self.metrics is not None:
             self.metrics.ttft.observe(ttft_s)
+
+    def tokens_after(self, gap_s: float, count: int) -> None:
+        """`count` tokens of a request came `gap_s` after its previous ones: `count` inter-token
+        latencies of gap_s / count each. The first tokens only start the clock (their wait is
+        TTFT); gaps inside one batch are not seen by the router."""
+        if self.metrics is None or count <= 0:
+            return
+        for _ in range(count):
+            self.metrics.itl.observe(gap_s / count)
 
     def requests_in_router(self, in_flight: int, queued: int) -> None:
         if self.metrics is not None:

@@ -295,7 +295,7 @@ class InstanceStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., load: _Optional[_Union[InstanceLoad, _Mapping]] = ..., last_report: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("instances", "queue_depth", "requests_by_state", "requests_by_outcome", "fallbacks", "max_recovery_attempts", "placement_policy", "timestamp")
+    __slots__ = ("instances", "queue_depth", "requests_by_state", "requests_by_outcome", "fallbacks", "max_recovery_attempts", "placement_policy", "timestamp", "model")
     class RequestsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +318,7 @@ class ClusterStatusResponse(_message.Message):
     MAX_RECOVERY_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_POLICY_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceStatus]
     queue_depth: int
     requests_by_state: _containers.ScalarMap[str, int]
@@ -326,4 +327,19 @@ class ClusterStatusResponse(_message.Message):
     max_recovery_attempts: int
     placement_policy: str
     timestamp: _timestamp_pb2.Timestamp
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_by_state: _Optional[_Mapping[str, int]] = ..., requests_by_outcome: _Optional[_Mapping[str, int]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., max_recovery_attempts: _Optional[int] = ..., placement_policy: _Optional[str] = ..., timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    model: ModelStatus
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceStatus, _Mapping]]] = ..., queue_depth: _Optional[int] = ..., requests_by_state: _Optional[_Mapping[str, int]] = ..., requests_by_outcome: _Optional[_Mapping[str, int]] = ..., fallbacks: _Optional[_Iterable[str]] = ..., max_recovery_attempts: _Optional[int] = ..., placement_policy: _Optional[str] = ..., timestamp: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model: _Optional[_Union[ModelStatus, _Mapping]] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("name", "architecture", "dtype", "max_model_len", "kv_capacity_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    architecture: str
+    dtype: str
+    max_model_len: int
+    kv_capacity_tokens: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...

@@ -76,7 +76,7 @@ def cluster(ray_cluster):
                 "admission": {"max_queued_requests": 12, "max_buffered_events": 64},
                 "placement": {"prefill_policy": {"name": "round_robin"}, "generation_policy": {"name": "round_robin"}},
             },
-            "frontend": {"port": 0, "metrics_port": 0},
+            "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},
             "faults": {"enabled": True, "seed": 11, "rules": _rules()},
             # Small chunks: a transfer has several, so faults can hit one mid-stream.
             "kv_transfer": {"sender": {"max_chunk_bytes": 65536}, "receiver": {"max_chunk_bytes": 65536}},

@@ -68,7 +68,7 @@ def cluster_config() -> ClusterConfig:
                 "health": {"heartbeat_interval_s": 0.25, "dead_after_s": 5.0},
                 "timeouts": {"context_s": 60.0, "reservation_s": 30.0, "transfer_s": 30.0, "generation_s": 60.0},
             },
-            "frontend": {"port": 0, "metrics_port": None},
+            "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
             "seed": 3,
         }
     )

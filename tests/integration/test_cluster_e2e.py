@@ -44,7 +44,7 @@ def config(**overrides) -> ClusterConfig:
         ],
         "engine": {"num_blocks": 512, "tokens_per_block": 16, "chunk_unit_tokens": 16, "max_num_tokens": 64},
         "router": {"health": FAST_HEALTH, "timeouts": TIMEOUTS},
-        "frontend": {"port": 0, "metrics_port": 0},
+        "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},
         "seed": 1,
     }
     data.update(overrides)
@@ -214,7 +214,7 @@ def test_metrics_and_timeline_log(ray_cluster, tmp_path) -> None:
     assert "duet_ttft_seconds_count 3.0" in text and "duet_tpot_seconds_count 3.0" in text
     assert 'duet_transfers_total{result="committed"} 3.0' in text
     assert 'duet_state_seconds_count{state="TRANSMISSION"} 3.0' in text
-    assert 'duet_instance_kv_utilization{instance="prefill-0",role="PREFILL"}' in text
+    assert 'duet_instance_kv_utilization_ratio{instance="prefill-0",role="PREFILL"}' in text
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["client_request_id"] for r in records] == ["m-0", "m-1", "m-2"]
     assert records[0]["timeline"][-1]["state"] == "COMPLETE" and records[0]["usage"]["completion_tokens"] == 6

@@ -54,7 +54,7 @@ def _config(**overrides) -> ClusterConfig:
             {"role": "GENERATION", "count": 1, "num_cpus": 0.5, "resources": {"generation_node": 0.5}},
         ],
         "engine": {"num_blocks": 256},
-        "frontend": {"port": 0, "metrics_port": 0},
+        "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},
         "actor_start_timeout_s": 120,
     }
     data.update(overrides)

@@ -1,7 +1,9 @@
 """The `ray job submit` path: a head this test starts itself (own process group, temp dir and free
-ports on 127.0.0.1), `ray job submit --working-dir . -- duet serve ...`, a client request through
-the front end, `ray job stop` (graceful drain), then the head stopped by killing its process group
-(never a global `ray stop`)."""
+ports on 127.0.0.1), `ray job submit --working-dir . -- duet serve ...` with
+RAY_JOB_STOP_WAIT_TIME_S in the job's runtime environment (as the README says), a client request
+through the front end, then `ray job stop` while a request that runs longer than Ray's default 3 s
+stop wait is in flight: it completes (graceful drain), then the head is stopped by killing its
+process group (never a global `ray stop`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import pytest
 from cluster.client import DuetClient, DuetError
 
 REPO = Path(__file__).resolve().parents[2]
+HOLD_S = 6.0
 BIN = Path(sys.executable).parent
 
 
@@ -51,12 +55,15 @@ def _ray(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess.C
 @pytest.fixture
 def head():
     temp_dir = tempfile.mkdtemp(prefix="duetray", dir="/tmp")
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port, agent_port = _free_port(), _free_port(), _free_port()
     process = subprocess.Popen(
         [
             str(BIN / "ray"), "start", "--head", "--block",
             "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            # The job agent's HTTP port is fixed (52365) unless given: another Ray on this machine
+            # holding it leaves the head without a job agent ("No available agent").
+            f"--dashboard-agent-listen-port={agent_port}",
             "--num-cpus=2", f"--temp-dir={temp_dir}", "--disable-usage-stats",
         ],
         env=_env(),
@@ -99,13 +106,18 @@ def test_ray_job_submit_serves_and_drains(head, tmp_path) -> None:
         "  - {role: PREFILL, count: 1, num_cpus: 0.5}\n"
         "  - {role: GENERATION, count: 1, num_cpus: 0.5}\n"
         "engine: {num_blocks: 256}\n"
-        f"frontend: {{host: 127.0.0.1, port: {port}}}\n"
-        "drain_timeout_s: 10\n"
+        f"frontend: {{host: 127.0.0.1, port: {port}, metrics_port: 0, http_port: 0}}\n"
+        "drain_timeout_s: 20\n"
+        # The in-flight request of the stop: held mid-generation for longer than Ray's default
+        # 3 s between SIGTERM and SIGKILL.
+        f"faults: {{rules: [{{kind: hold, state: GENERATION_IN_PROGRESS, seconds: {HOLD_S}, request_ids: ['slow*.g1']}}]}}\n"
     )
+    runtime_env = '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "40"}}'
     deadline = time.monotonic() + 90
     while True:  # the job agent may come up a little after the job API answers
         submitted = _ray(
             "job", "submit", "--address", head, "--no-wait", "--working-dir", str(REPO),
+            "--runtime-env-json", runtime_env,
             "--", "duet", "serve", "--config", str(config),
             check=False,
         )
@@ -129,6 +141,31 @@ def test_ray_job_submit_serves_and_drains(head, tmp_path) -> None:
             done = client.complete([256, 72, 105], max_tokens=6, temperature=0.0, ignore_eos=True)
             assert len(done.token_ids) == 6
             assert [w.phase for w in done.instances] == ["prefill", "generation"]
+
+            slow: dict[str, object] = {}
+
+            def run_slow() -> None:
+                try:
+                    slow["result"] = client.complete(
+                        [256, 72, 105], max_tokens=6, temperature=0.0, ignore_eos=True, client_request_id="slow-1"
+                    )
+                except DuetError as error:  # pragma: no cover - reported by the assertion below
+                    slow["error"] = error
+                slow["ended_s"] = time.monotonic()
+
+            thread = threading.Thread(target=run_slow, daemon=True)
+            thread.start()
+            deadline = time.monotonic() + 30
+            while not client.cluster_status().requests_by_state.get("GENERATING"):
+                assert time.monotonic() < deadline, "the slow request never reached GENERATING"
+                time.sleep(0.1)
+            stop_s = time.monotonic()
+            stopped = _ray("job", "stop", "--address", head, job_id, check=False, timeout_s=120)
+            thread.join(timeout=60)
+        assert "result" in slow, f"the in-flight request did not complete: {slow.get('error')}\n{stopped.stdout[-2000:]}"
+        assert len(slow["result"].token_ids) == 6
+        # It outlived Ray's default stop wait: only the runtime environment's longer one let it finish.
+        assert slow["ended_s"] - stop_s > 3.0
     finally:
         _ray("job", "stop", "--address", head, job_id, check=False, timeout_s=120)
     deadline = time.monotonic() + 60

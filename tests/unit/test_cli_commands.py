@@ -4,6 +4,7 @@ class with one-line messages, connection refused."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 
@@ -24,6 +25,7 @@ SCRIPTS = {
     "busy": Script(submit_error=RouterError(ErrorKind.RESOURCE_EXHAUSTED, "admission queue is full")),
     "gone": Script(submit_error=RouterError(ErrorKind.UNAVAILABLE, "no healthy instance")),
     "late": Script(submit_error=RouterError(ErrorKind.DEADLINE_EXCEEDED, "deadline passed")),
+    "controls": Script(tokens=(((27,), "\x1b[2J"), ((7,), "ok\x07\n\tend\x9b"))),
 }
 
 
@@ -135,7 +137,7 @@ def test_status_table(server, capsys) -> None:
     code, out, _ = _run(capsys, "status", "--target", server.target)
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["INSTANCE", "ROLE", "HEALTH", "FREE/TOTAL", "CACHED", "QUEUED", "RUNNING", "XFERS", "REPORTED", "ADDRESS"]
+    assert lines[0].split() == ["INSTANCE", "ROLE", "HEALTH", "KV", "BLOCKS", "FREE/TOTAL", "CACHED", "BLOCKS", "QUEUED", "RUNNING", "XFERS", "REPORTED", "ADDRESS"]
     assert lines[1].split() == ["p0", "PREFILL", "HEALTHY", "90/128", "7", "1", "2", "1", "1.5s", "ago", "127.0.0.1:7001"]
     assert lines[2].split()[:4] == ["g0", "GENERATION", "DRAINING", "10/256"]
     assert "queue depth: 3" in lines
@@ -143,6 +145,7 @@ def test_status_table(server, capsys) -> None:
     assert "requests by outcome: COMPLETE=40, ERROR=2" in lines
     assert "placement: kv_aware" in lines
     assert "transfer recovery: retry_transfer -> recompute_local -> fail (at most 3 attempts)" in lines
+    assert "model: built-in (LlamaForCausalLM, float32, context 2048 tokens, KV capacity 4096 tokens per instance)" in lines
 
 
 def test_status_json(server, capsys) -> None:
@@ -230,3 +233,71 @@ def test_generate_chat_usage_errors_and_a_server_without_templates(server, capsy
     assert code == EXIT_USAGE and "not JSON" in err
     code, _, err = _run(capsys, "generate", "--message", "user=hi", "--target", server.target)
     assert code == EXIT_CODES["INVALID_ARGUMENT"] and "messages: this server does not render chat templates" in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_generate_escapes_control_bytes_on_a_terminal(server, monkeypatch, capsys) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    code = main(["generate", "controls", "--target", server.target])
+    assert code == 0 and terminal.getvalue() == "\\x1b[2Jok\\x07\n\tend\\x9b\n"
+    monkeypatch.undo()
+    code, out, _ = _run(capsys, "generate", "controls", "--target", server.target)
+    assert code == 0 and out == "\x1b[2Jok\x07\n\tend\x9b\n"  # piped: as generated
+
+
+@pytest.mark.parametrize(
+    ("given", "target"),
+    [
+        ("localhost", "localhost:50051"),
+        ("localhost:7000", "localhost:7000"),
+        ("::1", "[::1]:50051"),
+        ("[::1]", "[::1]:50051"),
+        ("[::1]:7000", "[::1]:7000"),
+        ("dns:///duet.example:443", "dns:///duet.example:443"),
+        ("unix:/tmp/duet.sock", "unix:/tmp/duet.sock"),
+    ],
+)
+def test_a_target_without_a_port_gets_duets(given, target) -> None:
+    assert build_parser().parse_args(["status", "--target", given]).target == target
+
+
+def _subparsers():
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_every_flag_has_help_and_every_command_a_log_level() -> None:
+    for name, parser in _subparsers().items():
+        flags = {option for action in parser._actions for option in action.option_strings}
+        assert "--log-level" in flags, name
+        for action in parser._actions:
+            if action.option_strings and action.help is not argparse.SUPPRESS:
+                assert action.help, f"duet {name} {action.option_strings[0]} has no help text"
+        text = parser.format_help()
+        assert "(default: " in text or name == "demo", name
+
+
+@pytest.mark.parametrize(
+    ("command", "new", "old", "dest", "value", "parsed"),
+    [
+        ("chaos", "--num-requests", "--requests", "requests", "7", 7),
+        ("chaos", "--out", None, "out", "results", "results"),
+        ("chaos", "--json-out", None, "json_out", "x.json", "x.json"),
+        ("generate", "--request-timeout", "--timeout", "timeout", "2.5", 2.5),
+        ("serve", "--token", "--auth-token", "auth_token", "0123456789abcdef", ["0123456789abcdef"]),
+    ],
+)
+def test_one_vocabulary_with_old_spellings_hidden(command, new, old, dest, value, parsed) -> None:
+    extra = ["hi"] if command == "generate" else []
+    for flag in filter(None, (new, old)):
+        args = build_parser().parse_args([command, *extra, flag, value])
+        assert getattr(args, dest) == parsed, flag
+    if old is not None:
+        text = _subparsers()[command].format_help()
+        assert new in text and old not in text.replace(new, "")

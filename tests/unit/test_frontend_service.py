@@ -257,8 +257,28 @@ def test_reflection_lists_the_services(served) -> None:
     database = ProtoReflectionDescriptorDatabase(channel)
     services = set(database.get_services())
     assert {"duet_wire.v1.Duet", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert "grpc.reflection.v1.ServerReflection" in services
     described = database.FindFileContainingSymbol("duet_wire.v1.Duet")
     assert described.package == "duet_wire.v1"
+
+
+def test_reflection_v1_answers_like_v1alpha(served) -> None:
+    """Newer tools ask grpc.reflection.v1 (the same messages in another package)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _, _, channel = served
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="duet_wire.v1.GenerateRequest"),
+    ]
+    listed, described = list(call(iter(requests), timeout=10))
+    assert "duet_wire.v1.Duet" in {service.name for service in listed.list_services_response.service}
+    assert described.file_descriptor_response.file_descriptor_proto
 
 
 def _varint(value: int) -> bytes:

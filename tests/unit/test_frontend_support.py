@@ -22,6 +22,7 @@ from cluster.router.api import (
     InstanceHealthView,
     InstanceUse,
     InstanceView,
+    ModelInfo,
     Outcome,
     RequestEvent,
     RequestView,
@@ -159,6 +160,7 @@ class FakeRouter:
             max_recovery_attempts=3,
             placement_policy="kv_aware",
             timestamp_s=FIXED_TIME_S,
+            model=ModelInfo("built-in", "LlamaForCausalLM", "float32", 2048, 4096),
         )
 
     # ---- test helpers (thread-safe) ----

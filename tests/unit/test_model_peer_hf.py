@@ -167,3 +167,56 @@ def test_the_peer_check_can_fail(tmp_path):
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]
     assert (reference_logits(ours, prompt) - expected).abs().max() > 1e-2
+
+
+def _word_level_tokenizer(directory) -> None:
+    """A tokenizer.json with one word per id (t0 .. t{VOCAB-1}): the serving path needs one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def test_dtype_auto_serves_a_float32_checkpoint_as_saved_on_cpu(tmp_path):
+    """`dtype: auto` on a CPU takes the checkpoint's dtype: a float32 checkpoint gives the tokens
+    transformers gives (bfloat16, what auto chose before on CPUs with native bf16, differs)."""
+    from worker.llm import LLM
+    from worker.sampling import SamplingParams
+
+    hf_model = build_hf("llama_gqa_llama3_rope")
+    hf_model.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert (raw.get("dtype") or raw.get("torch_dtype")) == "float32"
+    _word_level_tokenizer(tmp_path)
+
+    llm = LLM(str(tmp_path), device="cpu")  # dtype "auto"
+    assert llm.engine.layout.dtype == "float32"
+    prompt = [random.Random("auto").randrange(3, VOCAB) for _ in range(29)]
+    expected, margin = hf_greedy(hf_model, prompt, 12)
+    assert margin > 1e-3, "test model has a near-tie; pick another seed"
+    (output,) = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert output.token_ids == expected
+
+
+@pytest.mark.parametrize(
+    ("saved", "device", "bf16_supported", "chosen"),
+    [
+        ("float32", "cpu", None, torch.float32),
+        (None, "cpu", None, torch.float32),
+        ("bfloat16", "cpu", None, torch.bfloat16),
+        ("float16", "cpu", None, torch.float16),
+        ("float32", "cuda", True, torch.bfloat16),
+        ("float32", "cuda", False, torch.float16),
+        (None, "cuda", True, torch.bfloat16),
+        ("bfloat16", "cuda", False, torch.float16),
+        ("float16", "cuda", True, torch.float16),
+    ],
+)
+def test_dtype_auto_for_a_checkpoint(monkeypatch, saved, device, bf16_supported, chosen):
+    from worker.device import resolve_model_dtype
+
+    if bf16_supported is not None:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_supported)
+    assert resolve_model_dtype("auto", torch.device(device), saved) == chosen
+    assert resolve_model_dtype("float32", torch.device("cpu"), "bfloat16") == torch.float32
