@@ -83,6 +83,18 @@ def connect_ray(config: ClusterConfig) -> bool:
     return True
 
 
+def transfer_bind_host(config: ClusterConfig) -> str:
+    """The InstanceSpec.transfer_host of every instance: `kv_transfer.bind_host` when set; else
+    127.0.0.1 when duet runs (or ran) its own embedded cluster, because Ray reports the machine's
+    routable address there too (it replaces a node address of 127.0.0.1) and one host needs no
+    more than loopback; else "auto", each actor's own node address, which the other nodes reach."""
+    bind_host = config.kv_transfer.get("bind_host")
+    if bind_host:
+        return str(bind_host)
+    embedded = not (config.ray.address or os.environ.get("RAY_ADDRESS"))
+    return "127.0.0.1" if embedded else "auto"
+
+
 def _demand(planned: PlannedInstance) -> dict[str, float]:
     demand = {"CPU": planned.group.num_cpus, **dict(planned.group.resources)}
     if planned.num_gpus:
@@ -155,6 +167,7 @@ class Deployment:
         check_resources(planned, ray.nodes(), ray.cluster_resources())
         remote_class = ray.remote(Instance)
         strategy = "SPREAD" if self.config.placement_strategy == "spread" else "DEFAULT"
+        transfer_host = transfer_bind_host(self.config)
         pending = {}
         for item in planned:
             spec = InstanceSpec(
@@ -163,7 +176,7 @@ class Deployment:
                 model=self.config.model,
                 dtype=self.config.dtype,
                 device=self.config.device,
-                transfer_host="auto",  # each actor binds to its own node's address
+                transfer_host=transfer_host,
                 cluster_token=self.cluster_token,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,

@@ -231,3 +231,19 @@ def test_a_set_written_as_a_list_must_not_repeat() -> None:
     with pytest.raises(ConfigError) as info:
         RouterConfig.from_dict({"placement": {"allowed_fallbacks": ["colocate_always"]}})
     assert "'colocate_always' (entry 0)" in info.value.detail
+
+
+def test_kv_receivers_bind_loopback_in_the_embedded_cluster_else_their_node_or_bind_host(monkeypatch) -> None:
+    from cluster.deploy.launch import transfer_bind_host
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert transfer_bind_host(ClusterConfig.from_dict({})) == "127.0.0.1"  # duet starts its own Ray
+    joined = {"ray": {"address": "10.0.0.5:6379"}}
+    assert transfer_bind_host(ClusterConfig.from_dict(joined)) == "auto"  # each node's own address
+    assert transfer_bind_host(ClusterConfig.from_dict({**joined, "kv_transfer": {"bind_host": "10.1.2.3"}})) == "10.1.2.3"
+    assert transfer_bind_host(ClusterConfig.from_dict({"kv_transfer": {"bind_host": "0.0.0.0"}})) == "0.0.0.0"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert transfer_bind_host(ClusterConfig.from_dict({})) == "auto"
+    with pytest.raises(ConfigError) as raised:
+        ClusterConfig.from_dict({"kv_transfer": {"bind_host": ""}})
+    assert "kv_transfer.bind_host" in str(raised.value)
