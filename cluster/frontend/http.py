@@ -75,7 +75,7 @@ from cluster.frontend.openai_schema import (
     TokenizeChat,
     TokenizeCompletion,
 )
-from cluster.frontend.service import BearerAuthInterceptor, FrontendError, host_for_address
+from cluster.frontend.service import BearerAuthInterceptor, FrontendError, check_listener, host_for_address
 from cluster.router.api import (
     FinalEvent,
     InstanceHealthView,
@@ -677,12 +677,7 @@ class OpenAIServer:
         registry: Any = None,
         chat_template: str | None = None,
     ) -> None:
-        if not isinstance(host, str) or not host:
-            raise FrontendError(f"host: must be a non-empty string, got {host!r}")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise FrontendError(f"http_port: must be in [0, 65535], got {port!r}")
-        if isinstance(tokens, str):
-            raise FrontendError("tokens: must be a sequence of tokens, not one string")
+        check_listener(host, port, tokens, port_name="http_port")
         self._host = host
         self._port = port
         self._tls = tls

@@ -429,16 +429,11 @@ class FrontendServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         chat: ChatEncoder | None = None,
     ) -> None:
-        if not isinstance(host, str) or not host:
-            raise FrontendError(f"host: must be a non-empty string, got {host!r}")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-            raise FrontendError(f"port: must be in [0, 65535] (0 picks a free port), got {port!r}")
+        check_listener(host, port, tokens, port_name="port")
         if not isinstance(max_message_bytes, int) or max_message_bytes < MIN_MESSAGE_BYTES:
             raise FrontendError(f"max_message_bytes: must be an int >= {MIN_MESSAGE_BYTES}, got {max_message_bytes!r}")
         if tls is not None and not isinstance(tls, TlsConfig):
             raise FrontendError(f"tls: must be a TlsConfig, got {type(tls).__name__}")
-        if isinstance(tokens, str):
-            raise FrontendError("tokens: must be a sequence of tokens, not one string")
         self._host = host
         self._port = port
         self._tls = tls
@@ -529,6 +524,16 @@ def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) ->
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE_NAME, {"ServerReflectionInfo": v1}),))
+
+
+def check_listener(host: object, port: object, tokens: object, *, port_name: str) -> None:
+    """The settings every front end's listener is built from (gRPC here, HTTP in http.py)."""
+    if not isinstance(host, str) or not host:
+        raise FrontendError(f"host: must be a non-empty string, got {host!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise FrontendError(f"{port_name}: must be in [0, 65535] (0 picks a free port), got {port!r}")
+    if isinstance(tokens, str):
+        raise FrontendError("tokens: must be a sequence of tokens, not one string")
 
 
 def host_for_address(host: str) -> str:

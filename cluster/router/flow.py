@@ -55,7 +55,7 @@ from cluster.router.actions import (
 )
 from cluster.router.api import ErrorKind, FinalEvent, InstanceUse, Outcome, TimelineEntry, TokenEvent, Usage
 from cluster.router.config import RecoveryAction, RouterConfig
-from cluster.router.placement import NoInstanceAvailable, PlacementPlan, PlacementRequest
+from cluster.router.placement import GENERATION_ROLES, NoInstanceAvailable, PlacementPlan, PlacementRequest
 from cluster.router.state import (
     TRANSITIONS,
     GlobalState,
@@ -79,7 +79,6 @@ from worker.stopping import FinishReason
 
 logger = logging.getLogger(__name__)
 
-GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
 PREFILL_ROLES = frozenset({InstanceRole.PREFILL})
 _LOCAL_TYPES = {
     Phase.PREFILL: LocalRequestType.CONTEXT_ONLY,

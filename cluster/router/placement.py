@@ -441,7 +441,8 @@ class PlacementPlan:
         return self.context.fallback
 
 
-_GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
+# The roles that run generation hops (and colocated requests).
+GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
 
 
 class Placer:
@@ -463,7 +464,7 @@ class Placer:
         # Checked and ordered once for both hops; the policies take the healthy ones from here.
         ordered = _in_id_order(candidates)
         _check_overlap(overlap_blocks)
-        generation_pool = [c for c in ordered if c.load.role in _GENERATION_ROLES]
+        generation_pool = [c for c in ordered if c.load.role in GENERATION_ROLES]
         healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
         if not healthy_generation:
             raise NoInstanceAvailable(
