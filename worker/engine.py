@@ -107,6 +107,9 @@ class _Tracked:
     held_until_s: float = 0.0
     finished: bool = False
     timeline: list[StateEvent] = field(default_factory=list)
+    # CONTEXT_ONLY: a push the router relayed before the context was done (an early reservation);
+    # it starts the moment the KV is final. Opaque to the engine (worker/instance.py's Push).
+    pending_push: object | None = None
 
 
 def _mix_seed(engine_seed: int, request_id: str) -> int:
@@ -126,6 +129,7 @@ class Engine:
         hold_hook: HoldHook | None = None,
         instance_id: str = "engine",
         on_inbox: Callable[[], None] | None = None,
+        before_forward: Callable[[], None] | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.instance_id = instance_id
@@ -133,6 +137,9 @@ class Engine:
         self.tokenizer = tokenizer
         self._clock = clock
         self._hold_hook = hold_hook
+        # Called once a step's batch is planned, before its forward pass: the instance publishes the
+        # step's events then ("prefill started" lets the router reserve the KV target meanwhile).
+        self._before_forward = before_forward
         cfg = self.config
         model_config = model.config
         self.max_seq_len = min(cfg.max_seq_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
@@ -190,9 +197,11 @@ class Engine:
             reservation_timeout_s=cfg.reservation_timeout_s,
             sender_lease_s=cfg.sender_lease_s,
             on_inbox=on_inbox,
+            vocab_size=self.vocab_size,
         )
         self._pending_outputs: list[RequestOutput] = []
         self._events: list[StateEvent] = []
+        self._ready_pushes: list[object] = []
         self.num_steps = 0
         self.num_finished = 0
         self.num_pauses = 0
@@ -223,8 +232,8 @@ class Engine:
             params = params.with_seed(_mix_seed(cfg.seed, submit.request_id))
         produced = len(submit.output_token_ids)
         max_new = min(params.max_tokens - produced, self.max_seq_len - len(context))
-        if submit.request_type is RequestType.GENERATION_ONLY:
-            max_new += 1  # the first token arrives with the KV and counts as generated here
+        if submit.request_type is RequestType.GENERATION_ONLY and not submit.token_with_kv:
+            max_new += 1  # the first token is in output_token_ids, not in the context: generated here
         llm = LlmRequest(
             submit.request_id,
             context,
@@ -300,6 +309,8 @@ class Engine:
                 )
             )
         self.num_forward_tokens += sum(len(c.token_ids) for c in chunks)
+        if self._before_forward is not None:
+            self._before_forward()
         logits = self.runner.forward(chunks)
         sampled = [llm for llm, chunk in zip([*schedule.context, *schedule.generation], chunks, strict=True) if chunk.want_logits]
         if logits.shape[1] > self.vocab_size:
@@ -336,6 +347,11 @@ class Engine:
             if finishing_context and tracked.submit.request_type is RequestType.CONTEXT_ONLY:
                 self._set_state(tracked, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
                 self.handover.start_lease(tracked.handover, self._clock())
+                if tracked.pending_push is not None:
+                    # The target reserved while this context ran: the push leaves before the
+                    # first token is even polled (worker/instance.py starts it after this step).
+                    self._ready_pushes.append(tracked.pending_push)
+                    tracked.pending_push = None
                 outputs.append(self._output(tracked, [token], text, (logprobs,), context_done=True))
                 continue
             if finishing_context:
@@ -356,12 +372,26 @@ class Engine:
             tracked = self._requests[llm.request_id]
             self.blocks.add_sequence(llm, reuse=False)
             block_ids = list(self.blocks.block_ids(llm.request_id))
-            self.handover.reserve(tracked.handover, llm.request_id, block_ids, llm.prompt_len, now)
+            submit = tracked.submit
+            self.handover.reserve(
+                tracked.handover, llm.request_id, block_ids, llm.prompt_len, now,
+                known_tokens=tuple(tracked.outputs), token_with_kv=submit.token_with_kv,
+            )
             self._set_state(tracked, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {len(block_ids)} blocks")
 
     def drain_new_reservations(self) -> list[Reservation]:
         """Reservations made since the last call (the router hands their transfer ids to senders)."""
         return self.handover.drain_new_reservations()
+
+    def renew(self, request_ids: Sequence[str]) -> int:
+        """Extend the live reservations of these requests by their timeout; how many were renewed."""
+        now = self._clock()
+        renewed = 0
+        for request_id in request_ids:
+            tracked = self._requests.get(request_id)
+            if tracked is not None and not tracked.finished and self.handover.renew(tracked.handover, now):
+                renewed += 1
+        return renewed
 
     def _expire(self, now: float, outputs: list[RequestOutput]) -> None:
         for tracked in list(self._requests.values()):
@@ -409,7 +439,7 @@ class Engine:
         target.commit()
         self._drain_inbox(self._pending_outputs)
 
-    def _on_commit(self, transfer_id: str, outputs: list[RequestOutput]) -> None:
+    def _on_commit(self, transfer_id: str, token_ids: tuple[int, ...], outputs: list[RequestOutput]) -> None:
         reservation = self.handover.commit(transfer_id)
         if reservation is None:
             return
@@ -417,6 +447,16 @@ class Engine:
         if tracked is None or tracked.finished or not self.handover.settle(tracked.handover, reservation):
             return
         llm = tracked.llm
+        if tracked.submit.token_with_kv:
+            # An early reservation: the first token came with the commit (TransferTarget.commit
+            # checked that it continues this request's tokens). It was streamed by the prefill
+            # instance already: replay it, do not emit it.
+            token = token_ids[-1]
+            tracked.outputs.append(token)
+            step = tracked.stop.append(token, tracked.detokenizer.append(token))
+            if step.finished:  # the prefill instance would have ended the request itself
+                self._finish(tracked, S.GENERATION_COMPLETE, outputs, [], "", (), step.finish_reason, step.stop_reason)
+                return
         llm.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
         llm.context_current_position = llm.prompt_len
         llm.add_new_token(tracked.outputs[-1])  # the first token, from the prefill instance
@@ -448,11 +488,30 @@ class Engine:
             raise EngineError(f"request {request_id!r} is not waiting to hand over its KV")
         return _TransferSource(self, list(self.blocks.block_ids(request_id)))
 
+    def defer_push(self, request_id: str, push: object) -> bool:
+        """Keep a push until the request's context is done (True), if it is still computing it;
+        False when the push can start now (or cannot start at all: `begin_push` says why)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None or tracked.finished or tracked.submit.request_type is not RequestType.CONTEXT_ONLY:
+            return False
+        if tracked.llm.state not in (S.CONTEXT_INIT, S.DISAGG_CONTEXT_INIT_AND_TRANS):
+            return False
+        tracked.pending_push = push
+        self._record(tracked, tracked.llm.state, "KV target reserved: pushing when the context is done")
+        return True
+
+    def drain_ready_pushes(self) -> list[object]:
+        """Pushes whose request's context completed since the last call (they start at once)."""
+        ready, self._ready_pushes = self._ready_pushes, []
+        return ready
+
     def begin_push(self, request_id: str) -> _TransferSource:
         """Pin the request's blocks for a push from another thread: its lease cannot free them until
         the push's result comes back through `report_push`."""
         source = self.transfer_source(request_id)
-        self.handover.pin(self._requests[request_id].handover)
+        tracked = self._requests[request_id]
+        self.handover.pin(tracked.handover)
+        source.output_token_ids = tuple(tracked.outputs)  # the commit carries them
         return source
 
     def report_push(self, request_id: str, failure: TransferFailure | None) -> None:
@@ -586,7 +645,7 @@ class Engine:
         for message in self.handover.inbox():
             match message:
                 case KvCommitted():
-                    self._on_commit(message.transfer_id, outputs)
+                    self._on_commit(message.transfer_id, message.token_ids, outputs)
                 case KvWriteFailed():
                     self._on_transfer_failed(message.transfer_id, message.failure, outputs)
                 case PushReported():
@@ -653,6 +712,7 @@ class _TransferSource:
         self._block_ids = block_ids
         self.layout = engine.layout
         self.num_blocks = len(block_ids)
+        self.output_token_ids: tuple[int, ...] = ()
 
     def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> memoryview:
         with torch.inference_mode():

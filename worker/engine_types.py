@@ -103,3 +103,4 @@ class Reservation:
     num_tokens: int
     layout: KvLayout
     expires_at_s: float
+    lease_s: float = 0.0  # the reservation timeout a renewal extends it by

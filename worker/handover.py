@@ -55,9 +55,11 @@ ImportBlocks = Callable[[list[int], int, int, memoryview], None]
 # --- the inbox: what other threads report ----------------------------------------------------------
 @dataclass(frozen=True)
 class KvCommitted:
-    """Receiving side: every byte of the transfer was written and verified."""
+    """Receiving side: every byte of the transfer was written and verified. `token_ids`: the
+    sender's output tokens, which the commit carries (empty from a sender that sends none)."""
 
     transfer_id: str
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,25 @@ class ReservedBlocks:
     """Receiving side: the blocks reserved for one incoming transfer. Guarded by `lock`, which a
     transfer thread holds while it writes, so the engine never frees blocks mid-write."""
 
-    def __init__(self, transfer_id: str, request_id: str, block_ids: list[int], num_tokens: int, expires_at_s: float):
+    def __init__(
+        self,
+        transfer_id: str,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        expires_at_s: float,
+        known_tokens: tuple[int, ...] = (),
+        token_with_kv: bool = False,
+    ):
         self.transfer_id = transfer_id
         self.request_id = request_id
         self.block_ids = block_ids
         self.num_tokens = num_tokens
         self.expires_at_s = expires_at_s
+        # The request's output tokens when it was reserved, and whether the commit must bring the
+        # next one (an early reservation): a commit's tokens are checked against them.
+        self.known_tokens = known_tokens
+        self.token_with_kv = token_with_kv
         self.lock = threading.Lock()
         self.live = True  # false once expired, failed, cancelled or finished
         self.committed = False
@@ -135,8 +150,10 @@ class Handover:
         reservation_timeout_s: float,
         sender_lease_s: float,
         on_inbox: Callable[[], None] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.layout = layout
+        self.vocab_size = vocab_size  # bounds the token ids a commit may carry
         self._reservation_timeout_s = reservation_timeout_s
         self._sender_lease_s = sender_lease_s
         self._by_transfer: dict[str, ReservedBlocks] = {}
@@ -146,9 +163,21 @@ class Handover:
         self._new_reservations: list[Reservation] = []
 
     # --- receiving side ------------------------------------------------------------------------------
-    def reserve(self, state: RequestHandover, request_id: str, block_ids: list[int], num_tokens: int, now: float) -> ReservedBlocks:
+    def reserve(
+        self,
+        state: RequestHandover,
+        request_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        now: float,
+        *,
+        known_tokens: tuple[int, ...] = (),
+        token_with_kv: bool = False,
+    ) -> ReservedBlocks:
         """Register blocks the scheduler reserved for a request's incoming KV, under a new transfer id."""
-        reservation = ReservedBlocks(new_transfer_id(), request_id, block_ids, num_tokens, now + self._reservation_timeout_s)
+        reservation = ReservedBlocks(
+            new_transfer_id(), request_id, block_ids, num_tokens, now + self._reservation_timeout_s, known_tokens, token_with_kv
+        )
         state.reservation = reservation
         with self._lock:
             self._by_transfer[reservation.transfer_id] = reservation
@@ -163,7 +192,21 @@ class Handover:
         return self._notice(reservation)
 
     def _notice(self, r: ReservedBlocks) -> Reservation:
-        return Reservation(r.request_id, r.transfer_id, len(r.block_ids), r.num_tokens, self.layout, r.expires_at_s)
+        return Reservation(
+            r.request_id, r.transfer_id, len(r.block_ids), r.num_tokens, self.layout, r.expires_at_s, self._reservation_timeout_s
+        )
+
+    def renew(self, state: RequestHandover, now: float) -> bool:
+        """Extend a live, uncommitted reservation by its timeout from `now` (an early reservation
+        whose prefill is still running); False if there is nothing to renew."""
+        reservation = state.reservation
+        if reservation is None:
+            return False
+        with reservation.lock:
+            if not reservation.live or reservation.committed:
+                return False
+            reservation.expires_at_s = max(reservation.expires_at_s, now + self._reservation_timeout_s)
+        return True
 
     def drain_new_reservations(self) -> list[Reservation]:
         """Reservations made since the last call (the router hands their transfer ids to senders)."""
@@ -186,7 +229,7 @@ class Handover:
                 raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
             if reservation.committed:
                 raise TransferRejected(FailureReason.PROTOCOL_ERROR, "the transfer was already committed")
-        return TransferTarget(reservation, self.layout, import_blocks, self.post)
+        return TransferTarget(reservation, self.layout, import_blocks, self.post, self.vocab_size)
 
     def commit(self, transfer_id: str) -> ReservedBlocks | None:
         """The KV behind `transfer_id` committed: forget the transfer id (None if it is gone already)."""
@@ -297,8 +340,9 @@ class TransferTarget:
     blocks, under the reservation's lock."""
 
     def __init__(self, reservation: ReservedBlocks, layout: KvLayout, import_blocks: ImportBlocks,
-                 post: Callable[[InboxMessage], None]) -> None:
+                 post: Callable[[InboxMessage], None], vocab_size: int | None = None) -> None:
         self._reservation = reservation
+        self._vocab_size = vocab_size
         self._import_blocks = import_blocks
         self._post = post
         self.num_blocks = len(reservation.block_ids)
@@ -313,13 +357,32 @@ class TransferTarget:
                 raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
             self._import_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, data)
 
-    def commit(self) -> None:
+    def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         reservation = self._reservation
+        token_ids = tuple(token_ids)
+        problem = _token_mismatch(reservation, token_ids, self._vocab_size)
+        if problem is not None:
+            raise TransferRejected(FailureReason.PROTOCOL_ERROR, problem)
         with reservation.lock:
             if not reservation.live:
                 raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
             reservation.committed = True
-        self._post(KvCommitted(reservation.transfer_id))
+        self._post(KvCommitted(reservation.transfer_id, tuple(token_ids)))
 
     def fail(self, failure: TransferFailure) -> None:
         self._post(KvWriteFailed(self._reservation.transfer_id, failure))
+
+
+def _token_mismatch(reservation: ReservedBlocks, token_ids: tuple[int, ...], vocab_size: int | None) -> str | None:
+    """Why a commit's tokens do not fit the reservation (None: they do). An early reservation needs
+    the tokens it knew plus exactly one more; a late one, none or exactly the tokens it knew."""
+    known = reservation.known_tokens
+    if vocab_size is not None and any(not 0 <= token < vocab_size for token in token_ids):
+        return f"the commit carries a token id outside [0, {vocab_size})"
+    if reservation.token_with_kv:
+        if len(token_ids) != len(known) + 1 or token_ids[: len(known)] != known:
+            return f"the commit must carry the request's {len(known)} known output tokens and the next one, got {len(token_ids)}"
+        return None
+    if token_ids and token_ids != known:
+        return "the commit's output tokens differ from the request's"
+    return None

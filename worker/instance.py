@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from worker.engine_types import EngineConfig
 from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransportSecurity
 from worker.kv_transfer.failures import FailureReason, TransferFailure
@@ -52,6 +54,7 @@ from worker.protocol import (
     PushResult,
     Rejected,
     Release,
+    Renew,
     Reply,
     ReservationNotice,
     Submit,
@@ -144,11 +147,6 @@ class _Admit:
 
 
 @dataclass(frozen=True)
-class _ReadLoad:
-    box: concurrent.futures.Future
-
-
-@dataclass(frozen=True)
 class _CountRequests:
     box: concurrent.futures.Future
 
@@ -160,7 +158,7 @@ class _ReadDigest:
     box: concurrent.futures.Future
 
 
-_LoopCommand = _Admit | Abort | Push | Release | _ReadLoad | _CountRequests | _ReadDigest
+_LoopCommand = _Admit | Abort | Push | Renew | Release | _CountRequests | _ReadDigest
 
 
 def _refused_input(error: BaseException) -> EngineInputError | InvalidSamplingParams | None:
@@ -203,6 +201,7 @@ class Instance:
             hold_hook=self.faults.hold_seconds if self.faults is not None and self.faults.enabled else None,
             instance_id=spec.instance_id,
             on_inbox=self._wake.set,
+            before_forward=self._publish_planned,
         )
         self.incarnation = uuid.uuid4().hex
         security = TransportSecurity(token=spec.cluster_token)
@@ -248,6 +247,8 @@ class Instance:
         self._events: list = []
         self._reservations: list = []
         self._pushes: list = []
+        self._load = None  # the engine's load as of the loop's last step or command (EngineLoad)
+        self._prefix_events: list = []
         self._sequence = 0
         self._stopping = False
         self._draining = False
@@ -276,7 +277,7 @@ class Instance:
                 case Submit():
                     self._submit(command.request)
                     return Ack()
-                case Abort() | Push() | Release():
+                case Abort() | Push() | Renew() | Release():
                     self._command(command)
                     return Ack()
                 case Poll():
@@ -327,14 +328,9 @@ class Instance:
             pushes, self._pushes = self._pushes, []
             self._sequence += 1
             sequence = self._sequence
+            load = self._take_load()
         if self._loop_error is not None:
             raise InstanceError(f"engine loop died: {self._loop_error}")
-        load_box: concurrent.futures.Future = concurrent.futures.Future()
-        self._command(_ReadLoad(load_box))
-        try:
-            load = load_box.result(timeout=5.0)
-        except concurrent.futures.TimeoutError:
-            load = None
         return PollBatch(
             incarnation=self.incarnation,
             sequence=sequence,
@@ -385,11 +381,29 @@ class Instance:
         self._commands.put(command)
         self._wake.set()
 
+    def _refresh_load(self) -> None:
+        """Loop thread: snapshot the engine's load for the next poll. A poll never waits for the
+        loop (a forward pass can take a while, and a poll must answer while it runs); the block
+        manager's prefix events accumulate here until a poll takes them."""
+        load = self.engine.load()
+        with self._mailbox:
+            self._prefix_events.extend(load.prefix_events)
+            self._load = load
+
+    def _take_load(self):
+        """Under the mailbox lock: the latest load with every prefix event since the last poll."""
+        if self._load is None:
+            return None
+        load = msgspec.structs.replace(self._load, prefix_events=tuple(self._prefix_events))
+        self._prefix_events = []
+        return load
+
     def _has_mail(self) -> bool:
         return bool(self._outputs or self._events or self._reservations or self._pushes)
 
     def _loop(self) -> None:
         try:
+            self._refresh_load()
             while not self._stopping:
                 self._run_commands()
                 worked = False
@@ -397,7 +411,12 @@ class Instance:
                     before = self.engine.num_forward_tokens
                     outputs = self.engine.step()
                     worked = bool(outputs) or self.engine.num_forward_tokens != before
+                    # Outputs first, so that the router hears of a context's first token before any
+                    # result of the push it started; the push right after (microseconds later).
+                    self._refresh_load()
                     self._publish(outputs)
+                    for push in self.engine.drain_ready_pushes():
+                        self._start_push(push)
                 if not worked:
                     # Nothing runnable: sleep until a command or an inbox item arrives (bounded,
                     # so timers such as leases and reservations are still checked).
@@ -409,10 +428,16 @@ class Instance:
             with self._mailbox:
                 self._mailbox.notify_all()
 
+    def _publish_planned(self) -> None:
+        """Loop thread, before a forward pass: what the step's planning recorded (prefill started,
+        reservations) goes out now rather than after the pass."""
+        self._refresh_load()
+        self._publish([])
+
     def _publish(self, outputs: list) -> None:
         events = self.engine.drain_events()
         reservations = [
-            ReservationNotice(r.request_id, r.transfer_id, r.num_blocks, r.expires_at_s)
+            ReservationNotice(r.request_id, r.transfer_id, r.num_blocks, r.expires_at_s, r.lease_s)
             for r in self.engine.drain_new_reservations()
         ]
         if not (outputs or events or reservations):
@@ -424,11 +449,15 @@ class Instance:
             self._mailbox.notify_all()
 
     def _run_commands(self) -> None:
+        ran = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                if ran:
+                    self._refresh_load()
                 return
+            ran = True
             match command:
                 case _Admit():
                     try:
@@ -440,11 +469,12 @@ class Instance:
                 case Abort():
                     self.engine.abort(command.request_id, command.detail)
                 case Push():
-                    self._start_push(command)
+                    if not self.engine.defer_push(command.request_id, command):
+                        self._start_push(command)
+                case Renew():
+                    self.engine.renew(command.request_ids)
                 case Release():
                     self.engine.release(command.request_id, TransferFailure(command.reason, command.detail))
-                case _ReadLoad():
-                    command.box.set_result(self.engine.load())
                 case _CountRequests():
                     command.box.set_result(self.engine.num_requests)
                 case _ReadDigest():

@@ -50,6 +50,7 @@ from worker.protocol import (
     PushResult,
     Rejected,
     Release,
+    Renew,
     RequestError,
     RequestOutput,
     RequestType,
@@ -154,6 +155,8 @@ class InstantInstance:
             case Push():
                 self._push(command)
                 return Ack()
+            case Renew():
+                return Ack()  # its reservations never expire
             case Poll():
                 return self._poll()
             case GetInfo():
@@ -179,7 +182,7 @@ class InstantInstance:
             request.transfer_id = new_transfer_id()
             self._by_transfer[request.transfer_id] = submit.request_id
             blocks = -(-len(submit.context_token_ids) // self.info.layout.tokens_per_block)
-            self._mail.reservations.append(ReservationNotice(submit.request_id, request.transfer_id, blocks, now + 60.0))
+            self._mail.reservations.append(ReservationNotice(submit.request_id, request.transfer_id, blocks, now + 60.0, 60.0))
         else:
             self._mail.events.append(StateEvent(submit.request_id, LlmRequestState.CONTEXT_INIT, now, EVENT_PREFILL_STARTED))
             self._store_prefix(submit)
@@ -214,7 +217,8 @@ class InstantInstance:
         del self._by_transfer[transfer_id]
         submit = self._requests[request_id].submit
         self._mail.events.append(StateEvent(request_id, LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE, self._clock(), "KV received"))
-        self._generate_rest(submit, len(submit.output_token_ids))
+        # An early reservation's first token came with the KV (it is a function of the position).
+        self._generate_rest(submit, len(submit.output_token_ids) + (1 if submit.token_with_kv else 0))
         self._wake()
         return True
 

@@ -48,7 +48,7 @@ from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
 
 # 2: msgspec Structs in a versioned envelope (1 was a hand-written msgpack map per message).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Counters travel as msgpack integers; bounding them by int64 keeps every peer's decoder happy.
 MAX_COUNTER = 2**63 - 1
@@ -153,9 +153,12 @@ class SubmitRequest(_Message):
 
     `output_token_ids` are tokens this request already produced elsewhere (and that were already
     streamed): the engine replays them into its detokenizer and stop checker without emitting them
-    again. For GENERATION_ONLY they are required (at least the first token, from the prefill
-    instance) and the KV to receive covers prompt + output_token_ids[:-1]. For the other types,
-    the context to compute is prompt + output_token_ids (a recomputation).
+    again. For GENERATION_ONLY submitted after its prefill finished they are required (at least the
+    first token, from the prefill instance) and the KV to receive covers prompt +
+    output_token_ids[:-1]. A GENERATION_ONLY request submitted while its prefill still runs (an
+    early reservation, `token_with_kv`) does not know that token yet: the KV to receive covers
+    prompt + output_token_ids, and the next token arrives with the KV's commit. For the other
+    types, the context to compute is prompt + output_token_ids (a recomputation).
     """
 
     request_id: str
@@ -164,6 +167,7 @@ class SubmitRequest(_Message):
     request_type: RequestType = RequestType.CONTEXT_AND_GENERATION
     output_token_ids: tuple[int, ...] = ()
     priority: float = 0.5
+    token_with_kv: bool = False  # GENERATION_ONLY only: the token after the context comes with the KV
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id or len(self.request_id) > 256:
@@ -174,7 +178,9 @@ class SubmitRequest(_Message):
             raise EngineInputError("sampling_params", f"must be SamplingParams, got {type(self.sampling_params).__name__}")
         if not isinstance(self.request_type, RequestType):
             raise EngineInputError("request_type", f"must be a RequestType, got {self.request_type!r}")
-        if self.request_type is RequestType.GENERATION_ONLY and not self.output_token_ids:
+        if self.token_with_kv and self.request_type is not RequestType.GENERATION_ONLY:
+            raise EngineInputError("token_with_kv", "only a GENERATION_ONLY request receives a token with its KV")
+        if self.request_type is RequestType.GENERATION_ONLY and not self.output_token_ids and not self.token_with_kv:
             raise EngineInputError("output_token_ids", "a GENERATION_ONLY request needs its first token")
         if len(self.output_token_ids) >= self.sampling_params.max_tokens:
             raise EngineInputError(
@@ -185,7 +191,7 @@ class SubmitRequest(_Message):
     @property
     def context_token_ids(self) -> tuple[int, ...]:
         """The tokens whose KV this instance needs (computed, or received for GENERATION_ONLY)."""
-        if self.request_type is RequestType.GENERATION_ONLY:
+        if self.request_type is RequestType.GENERATION_ONLY and not self.token_with_kv:
             return self.prompt_token_ids + self.output_token_ids[:-1]
         return self.prompt_token_ids + self.output_token_ids
 
@@ -239,6 +245,7 @@ class ReservationNotice(_Message):
     transfer_id: str
     num_blocks: int
     expires_at_s: float
+    lease_s: float = 0.0  # how long the reservation lives without a commit or a renewal
 
 
 class PushResult(_Message):
@@ -387,8 +394,11 @@ class Abort(_Command):
 
 
 class Push(_Command):
-    """Push a CONTEXT_ONLY request's KV to a generation instance's reservation. `target_request_id`
-    is the request's id on the receiver (None: the same id)."""
+    """Push a CONTEXT_ONLY request's KV to a generation instance's reservation: at once when its KV
+    is final, otherwise the moment its context completes (an early reservation, relayed while the
+    prefill runs; a later Push replaces one still waiting). The commit carries the request's output
+    tokens, so the receiver decodes without waiting for anyone. `target_request_id` is the
+    request's id on the receiver (None: the same id)."""
 
     request_id: str
     target: str  # host:port of the receiver's KV transfer server
@@ -398,6 +408,14 @@ class Push(_Command):
 
     def __post_init__(self) -> None:
         _check_seconds("deadline_s", self.deadline_s)
+
+
+class Renew(_Command):
+    """Extend the reservations of these GENERATION_ONLY requests by their lease (early reservations
+    wait for a prefill that may queue longer than one lease). Ids without a live reservation are
+    skipped."""
+
+    request_ids: tuple[str, ...]
 
 
 class Release(_Command):
@@ -441,7 +459,7 @@ class KvDigest(_Command):
     num_tokens: int
 
 
-Command = Submit | Abort | Push | Release | Poll | GetInfo | Ping | Drain | KvDigest
+Command = Submit | Abort | Push | Renew | Release | Poll | GetInfo | Ping | Drain | KvDigest
 
 
 # --- the codec ----------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ class StartHop:
     sampling: SamplingParams
     output_token_ids: tuple[int, ...]
     priority: float
+    # A generation hop submitted while its prefill runs (an early reservation): the token after
+    # its context comes with the KV's commit (worker/protocol.py SubmitRequest.token_with_kv).
+    token_with_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ class StopHop:
 
 @dataclass(frozen=True)
 class Push:
-    """Ask the prefill instance to push a hop's KV to the generation instance's reservation."""
+    """Ask the prefill instance to push a hop's KV to the generation instance's reservation: at once
+    if its KV is final, otherwise the moment its context completes (an early reservation)."""
 
     request_id: str
     instance_id: str  # the prefill instance
@@ -81,6 +85,15 @@ class Push:
     target_engine_id: str  # the generation hop
     transfer_id: str
     deadline_s: float
+
+
+@dataclass(frozen=True)
+class RenewReservation:
+    """Keep an early reservation alive while its prefill still runs (the driver batches these per
+    instance into one Renew command)."""
+
+    instance_id: str
+    engine_id: str
 
 
 @dataclass(frozen=True)
@@ -127,4 +140,4 @@ class NoteInconsistent:
     global_state: str
 
 
-Action = StartHop | StopHop | Push | EmitTokens | Finish | NoteTransfer | NoteRecovery | NoteInconsistent
+Action = StartHop | StopHop | Push | RenewReservation | EmitTokens | Finish | NoteTransfer | NoteRecovery | NoteInconsistent

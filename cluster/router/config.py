@@ -259,6 +259,27 @@ class HealthConfig(ConfigSection, frozen=True):
             )
 
 
+# --- The KV hand-over --------------------------------------------------------------------------------
+
+
+class ReserveAt(Enum):
+    """When a disaggregated request's generation hop is submitted, so that its instance reserves the
+    KV blocks: with the prefill hop (AT_ADMISSION), when the prefill's first chunk is scheduled
+    (AT_CONTEXT_START), or once its first token is out (AT_CONTEXT_DONE, the hand-over on the
+    critical path). An early reservation is relayed to the prefill instance, which pushes the moment
+    its KV is final; a generation pool too full to reserve early reserves later, as AT_CONTEXT_DONE
+    does."""
+
+    AT_ADMISSION = "at_admission"
+    AT_CONTEXT_START = "at_context_start"
+    AT_CONTEXT_DONE = "at_context_done"
+
+
+class HandoverConfig(ConfigSection, frozen=True):
+    reserve: ReserveAt = ReserveAt.AT_CONTEXT_START
+    """When the generation instance reserves the request's KV blocks."""
+
+
 class StageTimeouts(ConfigSection, frozen=True):
     """Per-stage deadlines of a request, in seconds (no wait is unbounded). Each must outlast
     health.dead_after_s (RouterConfig checks)."""
@@ -288,6 +309,8 @@ class RouterConfig(ConfigSection, frozen=True):
     """When an instance is declared dead."""
     timeouts: StageTimeouts = StageTimeouts()
     """Per-stage deadlines."""
+    handover: HandoverConfig = HandoverConfig()
+    """How the KV moves from the prefill to the generation instance."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

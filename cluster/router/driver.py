@@ -39,6 +39,7 @@ from cluster.router.actions import (
     NoteRecovery,
     NoteTransfer,
     Push,
+    RenewReservation,
     StartHop,
     StopHop,
 )
@@ -381,6 +382,8 @@ class Router:
                 await self._stop_hop(action)
             elif isinstance(action, Push):
                 await self._push(entry, action)
+            elif isinstance(action, RenewReservation):
+                await self._renew(action.instance_id, (action.engine_id,))
             elif isinstance(action, EmitTokens):
                 self._emit(entry, action)
             elif isinstance(action, Finish):
@@ -447,6 +450,7 @@ class Router:
                 request_type=action.phase.request_type,
                 output_token_ids=action.output_token_ids,
                 priority=action.priority,
+                token_with_kv=action.token_with_kv,
             )
             await member.client.submit(submit)
         except InstanceRejected as error:
@@ -502,6 +506,17 @@ class Router:
                 return
             actions = entry.flow.on_push_call_failed(hop[1], f"{action.instance_id} unavailable: {error}", self._clock(), self.fleet)
             await self._run(entry, actions)
+
+    async def _renew(self, instance_id: str, engine_ids: tuple[str, ...]) -> None:
+        """Keep early reservations alive. A renewal that cannot reach the instance is dropped: the
+        next tick tries again, and a reservation that expires fails like any other."""
+        member = self.fleet.get(instance_id)
+        if member is None or member.dead:
+            return
+        try:
+            await member.client.renew(engine_ids)
+        except InstanceUnavailable as error:
+            logger.info("could not renew reservations on %s: %s", instance_id, error)
 
     def _emit(self, entry: _Entry, action: EmitTokens) -> None:
         if entry.events.full():
@@ -607,7 +622,7 @@ class Router:
         for event in batch.events:
             hop = self._hop(member, event.request_id)
             if hop is not None:
-                await self._run(hop[0], hop[0].flow.on_state(hop[1], role, event.state, event.detail, self._clock()))
+                await self._run(hop[0], hop[0].flow.on_state(hop[1], role, event.state, event.detail, self._clock(), self.fleet))
         for output in batch.outputs:
             hop = self._hop(member, output.request_id)
             if output.finished:
@@ -644,10 +659,17 @@ class Router:
                 logger.exception("router watchdog check failed")
 
     async def _check_timers(self) -> None:
+        renewals: dict[str, list[str]] = {}
         for entry in list(self._requests.values()):
             actions = entry.flow.on_tick(self._clock(), self.fleet)
+            for action in actions:
+                if isinstance(action, RenewReservation):  # one Renew per instance, below
+                    renewals.setdefault(action.instance_id, []).append(action.engine_id)
+            actions = [action for action in actions if not isinstance(action, RenewReservation)]
             if actions:
                 await self._run(entry, actions)
+        for instance_id, engine_ids in renewals.items():
+            await self._renew(instance_id, tuple(engine_ids))
 
     # --- helpers ---------------------------------------------------------------------------------------
     def _observe_requests(self) -> None:

@@ -49,12 +49,13 @@ from cluster.router.actions import (
     NoteTransfer,
     Phase,
     Push,
+    RenewReservation,
     StartHop,
     StopHop,
     TransferNote,
 )
 from cluster.router.api import ErrorKind, FinalEvent, InstanceUse, Outcome, TimelineEntry, TokenEvent, Usage
-from cluster.router.config import RecoveryAction, RouterConfig
+from cluster.router.config import RecoveryAction, ReserveAt, RouterConfig
 from cluster.router.placement import GENERATION_ROLES, NoInstanceAvailable, PlacementPlan, PlacementRequest
 from cluster.router.state import (
     TRANSITIONS,
@@ -85,6 +86,10 @@ _LOCAL_TYPES = {
     Phase.GENERATION: LocalRequestType.GENERATION_ONLY,
     Phase.COLOCATED: LocalRequestType.CONTEXT_AND_GENERATION,
 }
+# Global states in which a generation hop's tokens cannot be streamed yet.
+_BEFORE_GENERATING = frozenset(
+    {GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS, GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION}
+)
 # Local states that end a hop; the hop's outputs, not its state events, say how it ended.
 _ENDING_STATES = frozenset(
     {LlmRequestState.GENERATION_COMPLETE, LlmRequestState.DISAGG_TRANS_ERROR, LlmRequestState.DISAGG_CONTEXT_COMPLETE}
@@ -119,6 +124,13 @@ class Attempt:
     handed_over: bool = False
     failure_handled: bool = False
     recompute: bool = False
+    # GENERATION hops submitted while the prefill runs (an early reservation, ReserveAt):
+    early: bool = False
+    push_relayed: bool = False  # its reservation went to the prefill instance, which pushes on its own
+    committed: bool = False  # the instance reported the KV committed (maybe before the first token)
+    reserved_blocks: int = 0
+    lease_s: float = 0.0  # the reservation's timeout on the instance; renewed every third of it
+    renewed_s: float = 0.0
 
     @property
     def engine_id(self) -> str:
@@ -177,6 +189,9 @@ class RequestFlow:
         self.final: FinalEvent | None = None
         self.error = ""
         self.first_token_s: float | None = None
+        # Outputs of an early generation hop that committed and decoded before the router heard of
+        # the prefill's first token: streamed right after it, in order.
+        self._held: list[RequestOutput] = []
 
     # --- reading ------------------------------------------------------------------------------------
     @property
@@ -224,12 +239,16 @@ class RequestFlow:
             self.planned_generation = plan.generation.instance_id
             self._transition(GlobalState.CONTEXT_WAIT, plan.context.instance_id, detail, Route.DISAGGREGATED)
             self._start(actions, fleet, Phase.PREFILL, plan.context.instance_id)
+            if self._config.handover.reserve is ReserveAt.AT_ADMISSION:
+                self._start_early_generation(actions, fleet)
         else:
             self._transition(GlobalState.CONTEXT_WAIT, plan.generation.instance_id, detail, Route.COLOCATED)
             self._start(actions, fleet, Phase.COLOCATED, plan.generation.instance_id)
 
     # --- reports from instances ---------------------------------------------------------------------
-    def on_state(self, attempt: Attempt, role: InstanceRole, local_state: LlmRequestState, detail: str, now_s: float) -> list[Action]:
+    def on_state(
+        self, attempt: Attempt, role: InstanceRole, local_state: LlmRequestState, detail: str, now_s: float, fleet: FleetView
+    ) -> list[Action]:
         """A local state event of a live hop."""
         self._now_s = now_s
         actions: list[Action] = []
@@ -238,10 +257,15 @@ class RequestFlow:
         current = self.state
         if detail == EVENT_PREFILL_STARTED and current is GlobalState.CONTEXT_WAIT and attempt.phase is not Phase.GENERATION:
             self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+            if attempt.phase is Phase.PREFILL and self._config.handover.reserve is ReserveAt.AT_CONTEXT_START:
+                self._start_early_generation(actions, fleet)
         elif local_state is LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE and attempt.phase is Phase.GENERATION:
+            attempt.committed = True
             if current is GlobalState.TRANSMISSION:
                 actions.append(NoteTransfer(TransferNote.COMMITTED))
                 self._transition(GlobalState.GENERATING, attempt.instance_id, "KV received and verified")
+            # Earlier (an early reservation, committed before the first token reached the router):
+            # the prefill's first token moves the request through the hand-over states.
         if not self._consistent(attempt, role, local_state):
             actions.append(NoteInconsistent(self.request_id, attempt.instance_id, local_state.name, self.state.name))
         return actions
@@ -254,6 +278,10 @@ class RequestFlow:
             allowed = global_states_for_local(local_state, role, _LOCAL_TYPES[attempt.phase])
         except ValueError:
             allowed = frozenset()
+        if attempt.early and attempt.committed and self.state in _BEFORE_GENERATING:
+            # An early hop committed before the router heard of the prefill's first token, which
+            # will take the request to GENERATING: judge the hop's reports against that.
+            return GlobalState.GENERATING in allowed
         reachable = {target[0] for target in TRANSITIONS.get(self.timeline.node, frozenset())}
         return self.state in allowed or bool(allowed & reachable)
 
@@ -266,7 +294,12 @@ class RequestFlow:
         if not attempt.live and not (attempt.phase is Phase.PREFILL and output.finished):
             return actions
         if output.new_token_ids and attempt.live:
-            if attempt.phase is Phase.GENERATION and self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+            if attempt.phase is Phase.GENERATION and attempt.committed and self.state in _BEFORE_GENERATING:
+                # An early hop decoding before the router heard of the first token: held, then
+                # streamed after it.
+                self._held.append(output)
+                return actions
+            if attempt.phase is Phase.GENERATION and self.state in _BEFORE_GENERATING:
                 # Tokens of a generation hop whose KV was never committed: impossible for a sane
                 # instance. Noted, not streamed; the stage timeout recovers the request.
                 actions.append(NoteInconsistent(self.request_id, attempt.instance_id, "tokens before the KV commit", self.state.name))
@@ -296,6 +329,10 @@ class RequestFlow:
             attempt.context_done = True
             if self.state is GlobalState.CONTEXT_WAIT:
                 self._transition(GlobalState.CONTEXT_IN_PROGRESS, attempt.instance_id, "prefill started")
+            early = self.generation
+            if early is not None and early.live and early.early:
+                self._handover_early(actions, attempt, early, fleet)
+                return
             target = self.planned_generation
             if target is None or not fleet.is_healthy(target):
                 target = self._choose_generation(fleet, frozenset())
@@ -329,6 +366,8 @@ class RequestFlow:
             return
         if output.error.code is ErrorCode.ABORTED or attempt.failure_handled:
             return
+        if self._early_hop_lost(attempt):
+            return
         if attempt.phase is Phase.GENERATION and self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
             kv_survives = self.prefill is not None and self.prefill.holds_handover_kv
             reason = f"{output.error.transfer_reason or output.error.code.value}: {output.error.detail}"
@@ -344,23 +383,80 @@ class RequestFlow:
             return actions
         prefill = self.prefill
         attempt.transfer_id = notice.transfer_id
+        attempt.reserved_blocks = notice.num_blocks
+        attempt.lease_s = notice.lease_s
+        attempt.renewed_s = now_s
+        if attempt.early and prefill is not None and prefill.live and not prefill.context_done:
+            # Reserved while the prefill runs: relay the target now, off the critical path; the
+            # prefill instance pushes the moment its KV is final.
+            attempt.push_relayed = True
+            actions.append(self._push_action(prefill, attempt))
+            return actions
         if prefill is None or not prefill.holds_handover_kv:
             self._recover(actions, attempt, "reservation made but the prefill KV is gone", fleet, kv_survives=False)
             return actions
         self._transition(GlobalState.TRANSMISSION, attempt.instance_id, f"pushing {notice.num_blocks} blocks")
         actions.append(NoteTransfer(TransferNote.STARTED))
-        actions.append(
-            Push(
-                request_id=self.request_id,
-                instance_id=prefill.instance_id,
-                engine_id=prefill.engine_id,
-                target_instance_id=attempt.instance_id,
-                target_engine_id=attempt.engine_id,
-                transfer_id=notice.transfer_id,
-                deadline_s=self._config.timeouts.transfer_s,
-            )
-        )
+        attempt.push_relayed = True
+        actions.append(self._push_action(prefill, attempt))
         return actions
+
+    def _push_action(self, prefill: Attempt, generation: Attempt) -> Push:
+        assert generation.transfer_id is not None
+        return Push(
+            request_id=self.request_id,
+            instance_id=prefill.instance_id,
+            engine_id=prefill.engine_id,
+            target_instance_id=generation.instance_id,
+            target_engine_id=generation.engine_id,
+            transfer_id=generation.transfer_id,
+            deadline_s=self._config.timeouts.transfer_s,
+        )
+
+    # --- early reservation ------------------------------------------------------------------------
+    def _start_early_generation(self, actions: list[Action], fleet: FleetView) -> None:
+        """Submit the generation hop while the prefill runs, so that its blocks are reserved and the
+        target relayed before the KV is final. Skipped (the hop starts at context done, as
+        AT_CONTEXT_DONE does) when the planned instance is not healthy or a hop is live already."""
+        generation = self.generation
+        if generation is not None and generation.live:
+            return
+        target = self.planned_generation
+        if target is None or not fleet.is_healthy(target):
+            return
+        self._start(actions, fleet, Phase.GENERATION, target, token_with_kv=True)
+
+    def _handover_early(self, actions: list[Action], prefill: Attempt, early: Attempt, fleet: FleetView) -> None:
+        """The prefill's first token reached the router and its generation hop was submitted early:
+        the request moves through the hand-over states as far as the instances have gone."""
+        if not early.push_relayed:
+            # The generation pool could not reserve yet: the push is relayed when it does.
+            self._transition(GlobalState.GENERATION_INIT, early.instance_id, "first token; waiting for the early reservation")
+            return
+        self._transition(
+            GlobalState.GENERATION_INIT, early.instance_id, f"first token; KV reserved early ({early.reserved_blocks} blocks)"
+        )
+        self._transition(GlobalState.TRANSMISSION, early.instance_id, f"pushing {early.reserved_blocks} blocks")
+        actions.append(NoteTransfer(TransferNote.STARTED))
+        if not early.committed:
+            return
+        actions.append(NoteTransfer(TransferNote.COMMITTED))
+        self._transition(GlobalState.GENERATING, early.instance_id, "KV received and verified")
+        held, self._held = self._held, []
+        for output in held:
+            actions.extend(self.on_output(early, output, self._now_s, fleet))
+
+    def _early_hop_lost(self, attempt: Attempt) -> bool:
+        """An early generation hop failed or its instance died while the prefill still runs: drop it;
+        the hop starts again at context done, elsewhere if need be. True if that is the case."""
+        if not (attempt.phase is Phase.GENERATION and attempt.early and self.state in (GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS)):
+            return False
+        attempt.live = False
+        attempt.failure_handled = True
+        if self.planned_generation == attempt.instance_id:
+            self.planned_generation = None
+        self._held.clear()
+        return True
 
     def on_push_result(self, attempt: Attempt, push: PushResult, now_s: float, fleet: FleetView) -> list[Action]:
         """A prefill instance's result of a push it made for `attempt` (a prefill hop)."""
@@ -401,6 +497,8 @@ class RequestFlow:
         if rejected is not None:
             field, message = rejected
             return self._end(actions, Outcome.ERROR, None, None, ErrorKind.INVALID_ARGUMENT, f"{field}: {message}")
+        if self._early_hop_lost(attempt):
+            return actions
         # A generation hop that could not be submitted leaves the prefill's KV where it was.
         kv_survives = attempt.phase is Phase.GENERATION and self.prefill is not None and self.prefill.holds_handover_kv
         reason = f"{attempt.instance_id} unavailable: {unavailable}"
@@ -412,6 +510,8 @@ class RequestFlow:
         self._now_s = now_s
         actions: list[Action] = []
         if self.ended or not attempt.live:
+            return actions
+        if self._early_hop_lost(attempt):
             return actions
         attempt.live = False
         # The KV a prefill hop holds dies with it; a generation hop loses its reservation.
@@ -429,6 +529,19 @@ class RequestFlow:
         if self.deadline_s is not None and now_s >= self.deadline_s:
             return self._end(actions, Outcome.ABORTED, "abort", None, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
         state = self.state
+        generation = self.generation
+        if (
+            generation is not None
+            and generation.live
+            and generation.early
+            and generation.transfer_id is not None
+            and not generation.committed
+            and generation.lease_s > 0
+            and state in (GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS)
+            and now_s - generation.renewed_s >= generation.lease_s / 3
+        ):
+            generation.renewed_s = now_s
+            actions.append(RenewReservation(generation.instance_id, generation.engine_id))
         timeouts = self._config.timeouts
         limit = {
             GlobalState.CONTEXT_WAIT: timeouts.context_s,
@@ -576,9 +689,11 @@ class RequestFlow:
             return None
 
     # --- hops and transitions ---------------------------------------------------------------------
-    def _start(self, actions: list[Action], fleet: FleetView, phase: Phase, instance_id: str, *, recompute: bool = False) -> None:
+    def _start(
+        self, actions: list[Action], fleet: FleetView, phase: Phase, instance_id: str, *, recompute: bool = False, token_with_kv: bool = False
+    ) -> None:
         self.attempt_numbers[phase] += 1
-        attempt = Attempt(self.request_id, phase, self.attempt_numbers[phase], instance_id, recompute=recompute)
+        attempt = Attempt(self.request_id, phase, self.attempt_numbers[phase], instance_id, recompute=recompute, early=token_with_kv)
         if phase is Phase.PREFILL:
             self.prefill = attempt
         else:
@@ -594,6 +709,7 @@ class RequestFlow:
                 sampling=self.params,
                 output_token_ids=tuple(self.outputs),
                 priority=self.priority,
+                token_with_kv=token_with_kv,
             )
         )
 

@@ -41,6 +41,7 @@ from worker.protocol import (
     Push,
     Rejected,
     Release,
+    Renew,
     Reply,
     Submit,
     SubmitRequest,
@@ -82,6 +83,8 @@ class InstanceClient(Protocol):
     async def push(
         self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str
     ) -> None: ...
+
+    async def renew(self, request_ids: tuple[str, ...]) -> None: ...
 
     async def release(self, request_id: str, reason: FailureReason, detail: str) -> None: ...
 
@@ -134,6 +137,9 @@ class _InstanceCalls:
         self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str
     ) -> None:
         await self._call(Push(request_id, target, transfer_id, float(deadline_s), target_request_id), Ack)
+
+    async def renew(self, request_ids: tuple[str, ...]) -> None:
+        await self._call(Renew(tuple(request_ids)), Ack)
 
     async def release(self, request_id: str, reason: FailureReason, detail: str) -> None:
         await self._call(Release(request_id, reason, detail), Ack)

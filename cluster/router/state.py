@@ -302,9 +302,14 @@ def _build_local_map() -> Mapping[RequestType, Mapping[str, frozenset[GlobalStat
         "GENERATION_COMPLETE": frozenset({s.COMPLETE}),
         "DISAGG_TRANS_ERROR": transfer,
     }
+    # An early reservation (router.handover.reserve): the generation hop is submitted and reserves
+    # while the prefill still waits or runs. (Its commit can also reach the router before the
+    # prefill's first token does: the flow judges those reports by where the first token will take
+    # the request, cluster/router/flow.py `_consistent`; the table stays strict about them.)
+    context = frozenset({s.CONTEXT_WAIT, s.CONTEXT_IN_PROGRESS})
     generation_only = {
-        "DISAGG_GENERATION_INIT": frozenset({s.GENERATION_INIT}),
-        "DISAGG_GENERATION_TRANS_IN_PROGRESS": frozenset({s.TRANSMISSION}),
+        "DISAGG_GENERATION_INIT": context | {s.GENERATION_INIT},
+        "DISAGG_GENERATION_TRANS_IN_PROGRESS": context | {s.TRANSMISSION},
         "DISAGG_GENERATION_TRANS_COMPLETE": frozenset({s.GENERATING}),
         "DISAGG_GENERATION_WAIT_TOKENS": frozenset({s.TRANSMISSION, s.GENERATING}),
         # A paused generation request is recomputed: it goes back through CONTEXT_INIT locally.

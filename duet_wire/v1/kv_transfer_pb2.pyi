@@ -148,16 +148,18 @@ class KvPushResponse(_message.Message):
     def __init__(self, chunks_accepted: _Optional[int] = ..., chunks_duplicate: _Optional[int] = ..., bytes_accepted: _Optional[int] = ...) -> None: ...
 
 class KvCommitRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "chunks_sent", "bytes_sent")
+    __slots__ = ("transfer_id", "request_id", "chunks_sent", "bytes_sent", "output_token_ids")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_SENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     chunks_sent: int
     bytes_sent: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., chunks_sent: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvCommitResponse(_message.Message):
     __slots__ = ("chunks_received", "bytes_received")

@@ -40,7 +40,7 @@ class RecordingTarget:
     def write(self, *args: object) -> None:
         self.calls.append("write")
 
-    def commit(self) -> None:
+    def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         self.calls.append("commit")
         if self.commit_error is not None:
             raise self.commit_error

@@ -31,8 +31,9 @@ class TransferTarget(Protocol):
         `data` is only valid during the call. Raise TransferRejected to fail the transfer."""
         ...
 
-    def commit(self) -> None:
-        """Every byte arrived and was verified: the blocks become usable."""
+    def commit(self, token_ids: tuple[int, ...] = ()) -> None:
+        """Every byte arrived and was verified: the blocks become usable. `token_ids`: the sending
+        request's output tokens, which the commit carries (raise TransferRejected to refuse them)."""
         ...
 
     def fail(self, failure: TransferFailure) -> None:

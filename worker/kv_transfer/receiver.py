@@ -445,7 +445,7 @@ class KvTransferServer:
         transfer_id, request_id = self._checked_ids(request, context)
         try:
             record = self._registry.find(transfer_id, request_id)
-            receipt = self._registry.commit(record, request.chunks_sent, request.bytes_sent)
+            receipt = self._registry.commit(record, request.chunks_sent, request.bytes_sent, tuple(request.output_token_ids))
         except TransferRejected as rejected:
             _abort(context, rejected.failure)
         logger.debug("committed transfer %s (%d bytes)", transfer_id, receipt.bytes_received)

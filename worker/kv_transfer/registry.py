@@ -289,7 +289,9 @@ class TransferRegistry:
         failure = TransferFailure(FailureReason.DEADLINE_EXCEEDED, "transfer deadline passed before commit")
         return sum(1 for record in overdue if self.fail(record, failure))
 
-    def commit(self, record: TransferRecord, chunks_sent: int, bytes_sent: int) -> CommitReceipt:
+    def commit(
+        self, record: TransferRecord, chunks_sent: int, bytes_sent: int, token_ids: tuple[int, ...] = ()
+    ) -> CommitReceipt:
         """Verify that every cell arrived exactly once and commit the target. Raises TransferRejected
         with the transfer's failure if it failed (now or before). Repeating a successful commit is
         answered with the same receipt."""
@@ -311,7 +313,7 @@ class TransferRegistry:
             assert failure is not None
             raise TransferRejected(failure.reason, failure.detail)
         try:
-            record.target.commit()
+            record.target.commit(token_ids)
         except TransferRejected as rejected:
             self._end_commit(record, rejected.failure)
             raise

@@ -327,6 +327,7 @@ class _PushRun:
                     request_id=self.request_id,
                     chunks_sent=self.chunks_sent,
                     bytes_sent=self.bytes_sent,
+                    output_token_ids=getattr(self.source, "output_token_ids", ()),
                 ),
                 timeout=max(self.remaining_s(), 0.001),
                 metadata=metadata,

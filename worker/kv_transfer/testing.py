@@ -67,7 +67,7 @@ class MemoryTarget:
                 self.concurrent_writes -= 1
                 self.writes += 1
 
-    def commit(self) -> None:
+    def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         with self._on_end:
             with self._lock:
                 self.events.append("commit")
