@@ -32,6 +32,7 @@ _ENCODER_INIT = S.ENCODER_INIT
 _CONTEXT_INIT = S.CONTEXT_INIT
 _CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
 _GEN_INIT = S.DISAGG_GENERATION_INIT
+_GEN_RECEIVING = S.DISAGG_GENERATION_TRANS_IN_PROGRESS
 _GEN_IN_PROGRESS = S.GENERATION_IN_PROGRESS
 _GENERATION_STATES = frozenset({S.GENERATION_IN_PROGRESS, S.GENERATION_TO_COMPLETE, S.DISAGG_GENERATION_TRANS_COMPLETE})
 _UNLIMITED_PAGES = 0x7FFFFFFF
@@ -258,6 +259,12 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
             ):
                 skipper.note_started(request)
             num_scheduled = len(scheduled)
+            if state is _GEN_RECEIVING:
+                # Reserved for KV still in flight: not scheduled this step, but it generates the
+                # moment the KV commits, so the rest of its run is claimed now. Otherwise later
+                # reservations take the blocks its decode needs and a step runs out of blocks.
+                available -= remaining(request)
+                continue
             if not (until <= state < after) and state is not _GEN_INIT:
                 continue
             if len(scheduled) >= limit:

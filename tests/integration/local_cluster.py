@@ -24,11 +24,17 @@ SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=77, ignor
 
 
 def make_instance(
-    instance_id: str, role: InstanceRole, faults=None, num_blocks: int = 256, device: str = "cpu", dtype: str = "float32"
+    instance_id: str,
+    role: InstanceRole,
+    faults=None,
+    num_blocks: int = 256,
+    device: str = "cpu",
+    dtype: str = "float32",
+    engine: dict | None = None,
 ) -> Instance:
     spec = InstanceSpec(
         instance_id,
-        EngineConfig(role=role, num_blocks=num_blocks, tokens_per_block=16, sender_lease_s=30.0),
+        EngineConfig(**{"role": role, "num_blocks": num_blocks, "tokens_per_block": 16, "sender_lease_s": 30.0, **(engine or {})}),
         dtype=dtype,
         device=device,
         cluster_token=TOKEN,
@@ -57,11 +63,12 @@ class Cluster:
         config: RouterConfig | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        engine: dict | None = None,
     ):
         if config is None and InstanceRole.PREFILL not in roles.values():
             config = router_config(placement={"disaggregation": "never"})
         self.instances = {
-            name: make_instance(name, role, (faults or {}).get(name), device=device, dtype=dtype)
+            name: make_instance(name, role, (faults or {}).get(name), device=device, dtype=dtype, engine=engine)
             for name, role in roles.items()
         }
         self.clients = {name: LocalInstanceClient(inst) for name, inst in self.instances.items()}

@@ -8,23 +8,43 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from local_cluster import GREEDY, PROMPTS, SEEDED, Cluster, router_config, run, states
+from local_cluster import GREEDY, PROMPTS, SEEDED, Cluster, make_instance, router_config, run, states
 
-from cluster.router.api import ClientRequest, ErrorKind, FinalEvent, Outcome, RouterError, TokenEvent
+from cluster.router.api import ClientRequest, ErrorKind, FinalEvent, Outcome, RouterError, TokenEvent, collect
+from cluster.router.instance_client import LocalInstanceClient
 from worker.protocol import InstanceRole
 from worker.sampling import SamplingParams
 from worker.tokenizer import ByteTokenizer
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_disaggregated_equals_colocated(params) -> None:
+# Small chunks (two blocks): the prompts prefill in up to 3 chunks, so an early reservation is made
+# and relayed while later chunks still compute.
+CHUNKED = {"max_num_tokens": 32, "chunk_unit_tokens": 32}
+
+
+@pytest.mark.parametrize(
+    ("params", "reserve", "engine"),
+    [
+        (GREEDY, "at_context_start", None),
+        (SEEDED, "at_context_start", None),
+        (GREEDY, "at_admission", CHUNKED),
+        (SEEDED, "at_context_start", CHUNKED),
+        (GREEDY, "at_context_done", None),
+    ],
+    ids=["greedy", "seeded", "greedy-at_admission-chunked", "seeded-chunked", "greedy-at_context_done"],
+)
+def test_disaggregated_equals_colocated(params, reserve, engine) -> None:
     async def scenario():
         async with Cluster({"m0": InstanceRole.MIXED}) as colocated_cluster:
             colocated = [await colocated_cluster.run(p, params) for p in PROMPTS[:8]]
-        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}) as disagg_cluster:
+        config = router_config(handover={"reserve": reserve})
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, config=config, engine=engine) as disagg_cluster:
             results = await asyncio.gather(*(disagg_cluster.run(p, params) for p in PROMPTS[:8]))
             free = await disagg_cluster.free_blocks_settle()
-            assert disagg_cluster.router.inconsistent_reports == 0
+            router = disagg_cluster.router
+            assert router.inconsistent_reports == 0 and router.illegal_transitions == 0
+            assert not router.recovery_actions, router.recovery_actions
+            assert router.transfers["committed"] == 8, router.transfers
         for (ref_tokens, ref_final), (tokens, final) in zip(colocated, results, strict=True):
             assert final.outcome is Outcome.COMPLETE, final.error_message
             assert tokens == ref_tokens
@@ -32,7 +52,59 @@ def test_disaggregated_equals_colocated(params) -> None:
                 "QUEUED", "CONTEXT_WAIT", "CONTEXT_IN_PROGRESS", "GENERATION_INIT", "TRANSMISSION", "GENERATING", "COMPLETE",
             ]
             assert [u.phase for u in final.instances] == ["prefill", "generation"]
+            (init,) = [e for e in final.timeline if e.state == "GENERATION_INIT"]
+            assert ("early" in init.detail) == (reserve != "at_context_done"), init.detail
             assert states(ref_final) == ["QUEUED", "CONTEXT_WAIT", "CONTEXT_IN_PROGRESS", "GENERATING", "COMPLETE"]
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_a_generation_pool_too_small_for_every_early_reservation_falls_back_without_deadlock() -> None:
+    """16 requests at once, each reserving at admission, on a generation instance whose pool holds
+    a few of them: the rest reserve as blocks free up (after their first token, as without early
+    reservation), and every request completes with the colocated tokens."""
+    prompts = PROMPTS[:16]
+
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected = [(await reference.run(p, GREEDY))[0] for p in prompts]
+        config = router_config(handover={"reserve": "at_admission"})
+        small = {"g0": {"num_blocks": 24}}
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, config=config) as cluster:
+            cluster.instances["g0"].shutdown()
+            cluster.instances["g0"] = make_instance("g0", InstanceRole.GENERATION, engine=small["g0"])
+            cluster.clients["g0"] = LocalInstanceClient(cluster.instances["g0"])
+            await cluster.router.add_instance(cluster.clients["g0"])
+            results = await asyncio.wait_for(asyncio.gather(*(cluster.run(p, GREEDY) for p in prompts)), 120)
+            free = await cluster.free_blocks_settle()
+            router = cluster.router
+            assert router.illegal_transitions == 0 and router.inconsistent_reports == 0
+        details = []
+        for (tokens, final), reference_tokens in zip(results, expected, strict=True):
+            assert final.outcome is Outcome.COMPLETE, final.error_message
+            assert tokens == reference_tokens
+            details.append(next(e.detail for e in final.timeline if e.state == "GENERATION_INIT"))
+        assert all(f == t for f, t in free.values()), free
+        assert any("waiting for the early reservation" in d for d in details), details
+
+    run(scenario())
+
+
+def test_an_aborted_request_frees_its_early_reservation_and_its_prefill() -> None:
+    long_prompt = [(7 * i) % 250 for i in range(1500)]
+
+    async def scenario():
+        config = router_config(handover={"reserve": "at_admission"})
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, config=config) as cluster:
+            router = cluster.router
+            handles = [await router.submit(ClientRequest(None, tuple(long_prompt), GREEDY)) for _ in range(3)]
+            await asyncio.sleep(0.05)  # reserved on g0, prefills queued or running on p0
+            for handle in handles:
+                await router.abort(handle.request_id)
+            finals = [(await collect(handle))[1] for handle in handles]
+            free = await cluster.free_blocks_settle()
+        assert all(final.outcome is Outcome.ABORTED for final in finals)
         assert all(f == t for f, t in free.values()), free
 
     run(scenario())

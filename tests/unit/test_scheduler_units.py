@@ -410,3 +410,22 @@ def test_max_utilization_pause_loop_is_linear_in_requests() -> None:
     assert [r.request_id for r in output.fitting] == list(range(100))
     assert [r.request_id for r in output.paused] == list(range(199, 99, -1))
     assert calls <= 2 * len(active)
+
+
+def test_guaranteed_no_evict_claims_the_decode_of_requests_receiving_kv() -> None:
+    """A generation-only request whose blocks are reserved while its KV is in flight
+    (DISAGG_GENERATION_TRANS_IN_PROGRESS) is not scheduled, but its decode is guaranteed: a later
+    request may not take the blocks it needs once the KV commits (an engine step would then run
+    out of blocks)."""
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=6, max_attention_window=64))
+    scheduler = TwoLevelScheduler(SchedulerConfig(max_num_requests=8, max_batch_size=8, max_num_tokens=64), kv)
+    receiving = LlmRequest(1, [1] * 8, 8, state=LlmRequestState.DISAGG_GENERATION_INIT)  # 2 context + 2 decode blocks
+    first = scheduler.schedule([receiving])
+    assert first.disagg_generation_init == [receiving]
+    kv.add_sequence(receiving, reuse=False)
+    receiving.set_state(LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+    waiting = LlmRequest(2, [2] * 8, 8, state=LlmRequestState.DISAGG_GENERATION_INIT)  # needs 4 of the 4 free
+    second = scheduler.schedule([receiving, waiting])
+    assert second.disagg_generation_init == [], "the 2 decode blocks of the receiving request are claimed"
+    small = LlmRequest(3, [3] * 4, 4, state=LlmRequestState.DISAGG_GENERATION_INIT)  # 2 blocks: fits beside the claim
+    assert scheduler.schedule([receiving, small]).disagg_generation_init == [small]
