@@ -1,12 +1,31 @@
-"""The delay the KV hand-over adds between the first and the second token, against a MIXED instance.
+"""What the KV hand-over costs a request: the delay it adds between the first and the second token,
+and disaggregated against MIXED TTFT, per model, prompt length and chunk size.
 
-A 2,048-token prompt on the default model: disaggregated (a PREFILL and a GENERATION instance in
-this process, the KV pushed over real gRPC on 127.0.0.1, driven by the router) against colocated (one
-MIXED instance, the same router). For each run it records the client-side gap between the first and
-the second token; the difference of the medians is what the hand-over costs (reservation, push,
-commit, first decode step on the receiver). Both sides run in the same process, interleaved.
+For each case, three instances live in this process: a PREFILL and a GENERATION instance (the KV
+pushed over real gRPC on 127.0.0.1, driven by the router) and one MIXED instance (its own router).
+Every repeat sends the same fresh prompt (no prefix reuse) to both, interleaved so that the
+machine's load hits them alike, and records the client-side TTFT and first-to-second-token gap. Per
+case, with medians and interquartile ranges over the repeats:
 
-    python bench/handover_latency.py [--quick] [--prompt-tokens 2048] [--repeats 5] [--device cuda] [--dtype bfloat16]
+  handover_added_delay_ms  median disaggregated gap - median MIXED gap: what the hand-over adds
+                           (the push of what is left after the first token, the commit, the
+                           receiver's first decode step, the reports)
+  kv_bytes                 the request's KV (every layer, K and V, whole blocks)
+  bytes_time_ms            those bytes alone: one bare gRPC send of kv_bytes in this process, with
+                           the transport's streams and chunk size but no framing or checks (grpc);
+                           one hot single-thread memcpy (shm); measured in the same run
+  disagg_ttft_ms / mixed_ttft_ms
+
+Targets (issue 15, this 2-core machine, 2048-token prompt, both models, 512-token chunks): added
+delay <= 3 ms + 1.2 x bytes_time; disaggregated TTFT <= 1.05 x MIXED TTFT.
+
+`--reserve` compares when the generation instance reserves (router.handover.reserve): the default
+at_context_start relays the reservation to the prefill instance while it computes, which pushes
+the moment its KV is final; at_context_done is the hand-over on the critical path.
+
+    python bench/handover_latency.py                     # every case, 20 repeats each
+    python bench/handover_latency.py --quick             # one small case (the suite's smoke test)
+    python bench/handover_latency.py --model bench --prompt-tokens 2048 --max-num-tokens 512
 """
 
 from __future__ import annotations
@@ -17,70 +36,111 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit_result, print_table, progress  # noqa: E402
+from bench._common import Target, emit_result, print_table, progress  # noqa: E402
 from cluster.router.api import ClientRequest, TokenEvent  # noqa: E402
 from cluster.router.config import RouterConfig  # noqa: E402
 from cluster.router.driver import Router  # noqa: E402
 from cluster.router.instance_client import LocalInstanceClient  # noqa: E402
 from worker.engine_types import EngineConfig  # noqa: E402
-from worker.instance import Instance, InstanceSpec  # noqa: E402
+from worker.instance import BUILTIN_PREFIX, Instance, InstanceSpec  # noqa: E402
+from worker.kv_transfer.config import SenderConfig  # noqa: E402
 from worker.protocol import InstanceRole  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402
 
 TOKEN = "handover-bench-token-0123456789abcdef"
+TOKENS_PER_BLOCK = 16
+MAX_SEQ_LEN = 4096
+DEFAULT_MAX_NUM_TOKENS = EngineConfig().max_num_tokens
+TARGET_FIXED_MS = 3.0
+TARGET_BYTES_FACTOR = 1.2
+TARGET_TTFT_RATIO = 1.05
 
 
-def _instance(name: str, role: InstanceRole, args) -> Instance:
-    engine = EngineConfig(role=role, num_blocks=1024, tokens_per_block=16, max_num_tokens=4096, chunk_unit_tokens=512)
-    spec = InstanceSpec(name, engine, dtype=args.dtype, device=args.device, cluster_token=TOKEN, torch_threads=args.threads)
+@dataclass(frozen=True)
+class Case:
+    model: str  # "default" | "bench"
+    prompt_tokens: int
+    max_num_tokens: int
+    data_plane: str
+    reserve: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}_p{self.prompt_tokens}_c{self.max_num_tokens}_{self.data_plane}_{self.reserve}"
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    gap_s: float
+
+
+def _engine(role: InstanceRole, case: Case) -> EngineConfig:
+    blocks = 2 * (-(-MAX_SEQ_LEN // TOKENS_PER_BLOCK)) + 64
+    chunk = min(512, case.max_num_tokens)
+    return EngineConfig(
+        role=role, num_blocks=blocks, tokens_per_block=TOKENS_PER_BLOCK, max_num_tokens=case.max_num_tokens, chunk_unit_tokens=chunk
+    )
+
+
+def _instance(name: str, role: InstanceRole, case: Case, args) -> Instance:
+    model = None if case.model == "default" else BUILTIN_PREFIX + case.model
+    spec = InstanceSpec(
+        name, _engine(role, case), model=model, dtype=args.dtype, device=args.device, cluster_token=TOKEN, torch_threads=args.threads
+    )
     return Instance(spec)
 
 
-async def _gap_s(router: Router, prompt: list[int]) -> tuple[float, float]:
-    """(first-token latency, first-to-second-token gap) seen by a client of the router."""
+async def _sample(router: Router, prompt: list[int]) -> Sample:
+    """TTFT and the first-to-second-token gap seen by a client of the router."""
     started = time.perf_counter()
     handle = await router.submit(ClientRequest(None, tuple(prompt), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
     stamps: list[float] = []
     async for event in handle.events():
         if isinstance(event, TokenEvent):
             stamps.extend(time.perf_counter() for _ in event.token_ids)
-    return stamps[0] - started, stamps[1] - stamps[0]
+    return Sample(stamps[0] - started, stamps[1] - stamps[0])
 
 
-async def _run(args) -> dict[str, list[tuple[float, float]]]:
-    rng = random.Random(0)
-    config_disagg = RouterConfig.from_dict({"health": {"heartbeat_interval_s": 0.5, "dead_after_s": 10.0}})
-    config_mixed = RouterConfig.from_dict(
-        {"health": {"heartbeat_interval_s": 0.5, "dead_after_s": 10.0}, "placement": {"disaggregation": "never"}}
-    )
-    instances = {
-        "p0": _instance("p0", InstanceRole.PREFILL, args),
-        "g0": _instance("g0", InstanceRole.GENERATION, args),
-        "m0": _instance("m0", InstanceRole.MIXED, args),
+async def _run_case(case: Case, args, rng: random.Random) -> tuple[dict[str, list[Sample]], int]:
+    health = {"heartbeat_interval_s": 0.5, "dead_after_s": 10.0}
+    configs = {
+        "disaggregated": RouterConfig.from_dict({"health": health, "handover": {"reserve": case.reserve}}),
+        "mixed": RouterConfig.from_dict({"health": health, "placement": {"disaggregation": "never"}}),
     }
-    routers = {}
+    instances = {
+        "p0": _instance("p0", InstanceRole.PREFILL, case, args),
+        "g0": _instance("g0", InstanceRole.GENERATION, case, args),
+        "m0": _instance("m0", InstanceRole.MIXED, case, args),
+    }
+    layout = instances["p0"].engine.layout
+    kv_bytes = layout.run_bytes(layout.num_layers, -(-case.prompt_tokens // TOKENS_PER_BLOCK))
+    routers: dict[str, Router] = {}
     try:
-        routers["disaggregated"] = Router(config_disagg, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16)
-        routers["mixed"] = Router(config_mixed, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16)
-        for router in routers.values():
-            await router.start()
+        for name, config in configs.items():
+            routers[name] = Router(
+                config, ByteTokenizer(), vocab_size=ByteTokenizer.VOCAB_SIZE, max_seq_len=MAX_SEQ_LEN, tokens_per_block=TOKENS_PER_BLOCK
+            )
+            await routers[name].start()
         await routers["disaggregated"].add_instance(LocalInstanceClient(instances["p0"]))
         await routers["disaggregated"].add_instance(LocalInstanceClient(instances["g0"]))
         await routers["mixed"].add_instance(LocalInstanceClient(instances["m0"]))
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in routers}
-        for repeat in range(args.repeats + 1):  # the first round is a warm-up
-            prompt = [rng.randrange(256) for _ in range(args.prompt_tokens)]  # fresh: no prefix reuse
-            for name, router in routers.items():
-                progress(f"handover_latency: {name} run {repeat}")
-                gap = await _gap_s(router, prompt)
+        samples: dict[str, list[Sample]] = {name: [] for name in routers}
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            prompt = [rng.randrange(256) for _ in range(case.prompt_tokens)]  # fresh: no prefix reuse
+            order = list(routers.items()) if repeat % 2 == 0 else list(reversed(routers.items()))
+            for name, router in order:
+                sample = await _sample(router, prompt)
                 if repeat:
-                    results[name].append(gap)
-        return results
+                    samples[name].append(sample)
+            progress(f"handover_latency: {case.name} repeat {repeat}/{args.repeats}")
+        return samples, kv_bytes
     finally:
         for router in routers.values():
             await router.stop()
@@ -88,32 +148,113 @@ async def _run(args) -> dict[str, list[tuple[float, float]]]:
             instance.shutdown()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 512-token prompt, 2 repeats")
-    parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=5)
+def _bare_grpc_s(kv_bytes: int, repeats: int) -> float:
+    """One bare gRPC send of `kv_bytes` in this process (median): the transport's streams,
+    connections and chunk size, no framing, checks or checksums."""
+    from bench.transfer_bench import BareGrpc
+    from worker.kv_transfer.testing import _start_bare_grpc_sink
+
+    sender = SenderConfig()
+    server, port = _start_bare_grpc_sink(kv_bytes, sender.max_chunk_bytes)
+    data = memoryview(random.Random(1).randbytes(kv_bytes))
+    bare = BareGrpc(f"127.0.0.1:{port}", data, sender.max_chunk_bytes, sender.num_streams, sender.num_connections)
+    try:
+        bare.once(30.0)  # connect, warm up
+        return statistics.median(bare.once(30.0) for _ in range(repeats))
+    finally:
+        bare.close()
+        server.stop(0)
+
+
+def _memcpy_s(kv_bytes: int, repeats: int) -> float:
+    """One hot single-thread copy of `kv_bytes` (median)."""
+    source = bytearray(b"\x5a") * kv_bytes
+    destination = memoryview(bytearray(kv_bytes))
+    destination[:] = source
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        destination[:] = source
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _iqr_ms(values: list[float]) -> float:
+    if len(values) < 4:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4)
+    return (quartiles[2] - quartiles[0]) * 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one case: default model, 512-token prompt, 3 repeats")
+    parser.add_argument("--model", nargs="+", choices=["default", "bench"], default=["default", "bench"])
+    parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[512, 2048, 4000])
+    parser.add_argument(
+        "--max-num-tokens", nargs="+", default=["512", "default"], help=f"tokens per step ('default': {DEFAULT_MAX_NUM_TOKENS})"
+    )
+    parser.add_argument("--data-plane", nargs="+", choices=["grpc"], default=["grpc"])
+    parser.add_argument("--reserve", nargs="+", choices=["at_context_start", "at_admission", "at_context_done"], default=["at_context_start"])
+    parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where all three instances run")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
-        args.prompt_tokens, args.repeats = 512, 2
-    results = asyncio.run(_run(args))
+        args.model, args.prompt_tokens, args.max_num_tokens, args.repeats = ["default"], [512], ["512"], 3
+    for prompt_tokens in args.prompt_tokens:
+        if not 0 < prompt_tokens <= MAX_SEQ_LEN - 8:
+            parser.error(f"--prompt-tokens {prompt_tokens}: the built-in models hold {MAX_SEQ_LEN} positions")
+    max_num_tokens = [DEFAULT_MAX_NUM_TOKENS if value == "default" else int(value) for value in args.max_num_tokens]
+    cases = [
+        Case(model, prompt, tokens, plane, reserve)
+        for model in args.model
+        for prompt in args.prompt_tokens
+        for tokens in dict.fromkeys(max_num_tokens)
+        for plane in args.data_plane
+        for reserve in args.reserve
+    ]
+    rng = random.Random(0)
+    figures: dict[str, object] = {"device": args.device, "dtype": args.dtype, "repeats": args.repeats}
+    targets: dict[str, Target] = {}
     rows = []
-    figures: dict[str, float | str] = {"prompt_tokens": args.prompt_tokens, "device": args.device, "dtype": args.dtype}
-    for name, runs in results.items():
-        ttft = statistics.median(r[0] for r in runs)
-        gap = statistics.median(r[1] for r in runs)
-        figures[f"{name}_ttft_ms"] = round(ttft * 1000, 2)
-        figures[f"{name}_first_to_second_token_ms"] = round(gap * 1000, 2)
-        rows.append([name, ttft * 1000, gap * 1000])
-    added = figures["disaggregated_first_to_second_token_ms"] - figures["mixed_first_to_second_token_ms"]
-    figures["handover_added_delay_ms"] = round(added, 2)
-    print(f"prompt of {args.prompt_tokens} tokens, default model, {args.dtype}, {args.device}, {args.repeats} runs (medians)")
-    print_table(["mode", "TTFT ms", "first->second token ms"], rows)
-    print(f"the hand-over adds {added:.1f} ms between the first and the second token")
-    emit_result("handover_latency", figures, {})
+    for case in cases:
+        samples, kv_bytes = asyncio.run(_run_case(case, args, rng))
+        bytes_s = _bare_grpc_s(kv_bytes, 10) if case.data_plane == "grpc" else _memcpy_s(kv_bytes, 10)
+        disagg, mixed = samples["disaggregated"], samples["mixed"]
+        gap = {name: [s.gap_s for s in runs] for name, runs in samples.items()}
+        added_ms = (statistics.median(gap["disaggregated"]) - statistics.median(gap["mixed"])) * 1000
+        disagg_ttft_ms = statistics.median(s.ttft_s for s in disagg) * 1000
+        mixed_ttft_ms = statistics.median(s.ttft_s for s in mixed) * 1000
+        prefix = case.name
+        figures.update(
+            {
+                f"{prefix}_handover_added_delay_ms": round(added_ms, 2),
+                f"{prefix}_kv_bytes": kv_bytes,
+                f"{prefix}_bytes_time_ms": round(bytes_s * 1000, 3),
+                f"{prefix}_disagg_ttft_ms": round(disagg_ttft_ms, 2),
+                f"{prefix}_mixed_ttft_ms": round(mixed_ttft_ms, 2),
+                f"{prefix}_disagg_gap_iqr_ms": round(_iqr_ms(gap["disaggregated"]), 2),
+                f"{prefix}_mixed_gap_iqr_ms": round(_iqr_ms(gap["mixed"]), 2),
+                f"{prefix}_data_plane": case.data_plane,
+            }
+        )
+        if case.prompt_tokens == 2048 and case.max_num_tokens == 512 and case.reserve == "at_context_start":
+            targets[f"{prefix}_added_delay_ms"] = Target(added_ms, round(TARGET_FIXED_MS + TARGET_BYTES_FACTOR * bytes_s * 1000, 2), False)
+            targets[f"{prefix}_ttft_ratio"] = Target(disagg_ttft_ms / mixed_ttft_ms, TARGET_TTFT_RATIO, False)
+        rows.append(
+            [
+                case.model, case.prompt_tokens, case.max_num_tokens, case.data_plane, case.reserve, kv_bytes / 2**20,
+                added_ms, bytes_s * 1000, _iqr_ms(gap["disaggregated"]), disagg_ttft_ms, mixed_ttft_ms,
+            ]
+        )
+    print(f"{args.dtype} on {args.device}, {args.repeats} repeats per case (medians; IQR of the disaggregated gap)")
+    print_table(
+        ["model", "prompt", "max tok", "plane", "reserve", "KV MiB", "added ms", "bytes ms", "gap IQR ms", "disagg TTFT ms", "mixed TTFT ms"],
+        rows,
+    )
+    emit_result("handover_latency", figures, targets)
     return 0
 
 

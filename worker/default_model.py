@@ -118,14 +118,22 @@ def default_generation_config() -> GenerationConfig:
     )
 
 
+BUILTIN_MODELS = ("default", "bench")  # "bench": bench_model_config(), the engine benchmark's model
+
+
 def build_default_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    variant: str = "default",
 ) -> tuple[DecoderLM, ByteTokenizer, GenerationConfig]:
-    """The embedded default: (model, tokenizer, generation config). dtype/device accept "auto"."""
+    """The embedded default: (model, tokenizer, generation config). dtype/device accept "auto".
+    `variant` "bench" builds the engine benchmark's larger model with the same tokenizer."""
+    if variant not in BUILTIN_MODELS:
+        raise ValueError(f"no built-in model {variant!r}; the built-in models are {', '.join(BUILTIN_MODELS)}")
     resolved_device = device if isinstance(device, torch.device) else resolve_device(device)
     resolved_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, resolved_device)
-    model = build_random_model(default_model_config(), DEFAULT_SEED, dtype=resolved_dtype, device=resolved_device)
+    config, seed = (default_model_config(), DEFAULT_SEED) if variant == "default" else (bench_model_config(), BENCH_SEED)
+    model = build_random_model(config, seed, dtype=resolved_dtype, device=resolved_device)
     silent = [ByteTokenizer.BOS_ID, *range(ByteTokenizer.PAD_ID, ByteTokenizer.VOCAB_SIZE)]  # not EOS
     _silence_special_tokens(model, silent)
     return model, ByteTokenizer(), default_generation_config()

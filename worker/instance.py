@@ -66,6 +66,8 @@ from worker.sampling import InvalidSamplingParams
 logger = logging.getLogger(__name__)
 
 SUBMIT_TIMEOUT_S = 30.0
+# InstanceSpec.model "builtin:bench": the engine benchmark's built-in model (worker/default_model.py).
+BUILTIN_PREFIX = "builtin:"
 
 
 class InstanceError(RuntimeError):
@@ -182,10 +184,11 @@ class Instance:
         if spec.torch_threads is not None:
             torch.set_num_threads(spec.torch_threads)
         self._clock = clock
-        if spec.model is None:
+        if spec.model is None or spec.model.startswith(BUILTIN_PREFIX):
             from worker.default_model import build_default_model
 
-            model, tokenizer, generation = build_default_model(dtype=spec.dtype, device=spec.device)
+            variant = "default" if spec.model is None else spec.model[len(BUILTIN_PREFIX) :]
+            model, tokenizer, generation = build_default_model(dtype=spec.dtype, device=spec.device, variant=variant)
         else:
             from worker.loader import load_model
 

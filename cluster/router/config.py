@@ -176,6 +176,9 @@ class RecoveryAction(Enum):
     RETRY_TRANSFER = "retry_transfer"
     REPREFILL_ELSEWHERE = "reprefill_elsewhere"
     RECOMPUTE_LOCAL = "recompute_local"
+    # No healthy instance can take the request: wait (back in QUEUED, stage timers paused) for one,
+    # bounded by max_wait_s and the request's deadline, then recompute prompt + tokens streamed.
+    WAIT_FOR_INSTANCE = "wait_for_instance"
     FAIL = "fail"
 
 
@@ -184,6 +187,8 @@ class RecoveryStep(ConfigSection, frozen=True):
     """What to do after a transfer failure (required)."""
     max_attempts: PositiveInt = 1
     """How many times per request this action may be taken before the next step's."""
+    max_wait_s: PositiveFloat = 60.0
+    """wait_for_instance only: seconds a request waits for a healthy instance before it fails."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -199,6 +204,7 @@ class RecoveryConfig(ConfigSection, frozen=True):
     chain: tuple[RecoveryStep, ...] = (
         RecoveryStep(RecoveryAction.RETRY_TRANSFER, 1),
         RecoveryStep(RecoveryAction.RECOMPUTE_LOCAL, 1),
+        RecoveryStep(RecoveryAction.WAIT_FOR_INSTANCE, 2),
         RecoveryStep(RecoveryAction.FAIL, 1),
     )
     """The steps, in order; each action at most once, the last one `fail`."""
@@ -211,6 +217,10 @@ class RecoveryConfig(ConfigSection, frozen=True):
         for index, action in enumerate(actions):
             if actions.index(action) != index:
                 raise ConfigError(f"chain[{index}].action", f"{action.value!r} appears more than once")
+
+    def step(self, action: RecoveryAction) -> RecoveryStep | None:
+        """The chain's step for `action` (None: the chain does not take it)."""
+        return next((step for step in self.chain if step.action is action), None)
 
     def next_action(
         self,

@@ -564,7 +564,11 @@ class Router:
             except asyncio.CancelledError:
                 raise
             except InstanceUnavailable as error:
-                await self._on_silence(member, str(error))
+                if error.dead and not member.dead:
+                    # Certain, not a late answer: recover at once rather than after dead_after_s.
+                    await self._declare_dead(member, str(error))
+                else:
+                    await self._on_silence(member, str(error))
                 await asyncio.sleep(min(0.2, health.heartbeat_interval_s))
                 continue
             except Exception:  # noqa: BLE001 - a bug in decoding must not stop polling

@@ -146,6 +146,11 @@ class Fleet:
     def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
         return self._placer.place(request, self._candidates_excluding(exclude), self.prefix.overlap(request.block_hashes))
 
+    def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
+        """A generation instance for the request's generation hop alone; raises NoInstanceAvailable."""
+        candidates = self._candidates_excluding(exclude)
+        return self._placer.choose_generation(request, candidates, self.prefix.overlap(request.block_hashes)).instance_id
+
     def _candidates_excluding(self, exclude: frozenset[str]) -> Sequence[Candidate]:
         candidates = [m.candidate or self._refresh(m) for m in self.members.values()]
         if not exclude:
@@ -166,6 +171,11 @@ class Fleet:
             m.health is InstanceHealthView.HEALTHY and m.info.role in roles and m.instance_id not in exclude
             for m in self.members.values()
         )
+
+    def has_members(self, roles: frozenset[InstanceRole]) -> bool:
+        """Whether an instance of these roles was ever registered, healthy or not (one that died may
+        come back: Ray restarts it, or it answers again)."""
+        return any(m.info.role in roles for m in self.members.values())
 
     def role(self, instance_id: str) -> InstanceRole:
         return self.members[instance_id].info.role

@@ -55,7 +55,7 @@ from cluster.router.actions import (
     TransferNote,
 )
 from cluster.router.api import ErrorKind, FinalEvent, InstanceUse, Outcome, TimelineEntry, TokenEvent, Usage
-from cluster.router.config import RecoveryAction, ReserveAt, RouterConfig
+from cluster.router.config import DisaggMode, RecoveryAction, ReserveAt, RouterConfig
 from cluster.router.placement import GENERATION_ROLES, NoInstanceAvailable, PlacementPlan, PlacementRequest
 from cluster.router.state import (
     TRANSITIONS,
@@ -103,9 +103,17 @@ class FleetView(Protocol):
         """Both hops of a request; raises NoInstanceAvailable."""
         ...
 
+    def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
+        """A generation instance for a generation hop alone; raises NoInstanceAvailable."""
+        ...
+
     def is_healthy(self, instance_id: str) -> bool: ...
 
     def has_healthy(self, roles: frozenset[InstanceRole], exclude: frozenset[str]) -> bool: ...
+
+    def has_members(self, roles: frozenset[InstanceRole]) -> bool:
+        """Whether instances of these roles were registered at all (healthy or not)."""
+        ...
 
     def role(self, instance_id: str) -> InstanceRole: ...
 
@@ -192,6 +200,10 @@ class RequestFlow:
         # Outputs of an early generation hop that committed and decoded before the router heard of
         # the prefill's first token: streamed right after it, in order.
         self._held: list[RequestOutput] = []
+        # Waiting for a healthy instance (RecoveryAction.WAIT_FOR_INSTANCE, or admitted during an
+        # outage): since when, and until when at most. None: not waiting.
+        self.waiting_since_s: float | None = None
+        self.wait_until_s: float | None = None
 
     # --- reading ------------------------------------------------------------------------------------
     @property
@@ -219,6 +231,12 @@ class RequestFlow:
         try:
             plan = fleet.place(self.placement_request(), frozenset())
         except NoInstanceAvailable as error:
+            step = self._config.recovery.step(RecoveryAction.WAIT_FOR_INSTANCE)
+            if step is not None and self._outage(fleet):
+                # An outage (the instances exist, none is healthy now): queue, do not refuse.
+                self.error = f"no instance can serve it now: {error}"
+                self.waiting_since_s, self.wait_until_s = now_s, now_s + step.max_wait_s
+                return actions
             return self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"no instance can serve it: {error}")
         detail = plan.decision.detail
         if plan.fallback is not None:
@@ -529,6 +547,8 @@ class RequestFlow:
         if self.deadline_s is not None and now_s >= self.deadline_s:
             return self._end(actions, Outcome.ABORTED, "abort", None, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
         state = self.state
+        if self.wait_until_s is not None:
+            return self._try_resume(actions, fleet)
         generation = self.generation
         if (
             generation is not None
@@ -638,6 +658,8 @@ class RequestFlow:
             applicable.add(RecoveryAction.REPREFILL_ELSEWHERE)
         if fleet.has_healthy(GENERATION_ROLES, exclude):
             applicable.add(RecoveryAction.RECOMPUTE_LOCAL)
+        if self._outage(fleet):
+            applicable.add(RecoveryAction.WAIT_FOR_INSTANCE)
         action = self._config.recovery.next_action(dict(self.recovery), frozenset(applicable))
         self.recovery[action] += 1
         actions.append(NoteRecovery(self.request_id, action, reason))
@@ -668,6 +690,13 @@ class RequestFlow:
             else:
                 self._transition(GlobalState.CONTEXT_WAIT, target, detail, Route.COLOCATED)
             self._start(actions, fleet, Phase.COLOCATED, target, recompute=True)
+        elif action is RecoveryAction.WAIT_FOR_INSTANCE:
+            step = self._config.recovery.step(action)
+            assert step is not None  # next_action took it from the chain
+            for hop in self.hops():
+                self._stop(actions, hop, "waiting for a healthy instance")
+            self._transition(GlobalState.QUEUED, None, f"waiting up to {step.max_wait_s:g}s for a healthy instance ({reason})")
+            self.waiting_since_s, self.wait_until_s = self._now_s, self._now_s + step.max_wait_s
         elif action is RecoveryAction.REPREFILL_ELSEWHERE:
             excluded = exclude | ({prefill.instance_id} if prefill is not None else frozenset())
             try:
@@ -682,9 +711,36 @@ class RequestFlow:
         else:
             self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"{reason}; recovery exhausted")
 
+    def _outage(self, fleet: FleetView) -> bool:
+        """Whether the instances this request needs were registered but none is healthy now (worth
+        waiting for: Ray restarts them, or they answer again), rather than never deployed."""
+        if not fleet.has_members(GENERATION_ROLES):
+            return False
+        needs_prefill = self._config.placement.disaggregation is DisaggMode.ALWAYS and not self._config.placement.allowed_fallbacks
+        return not needs_prefill or fleet.has_members(PREFILL_ROLES)
+
+    def _try_resume(self, actions: list[Action], fleet: FleetView) -> list[Action]:
+        """A waiting request: place it once an instance can take it (its hops recompute the prompt
+        and the tokens already streamed, and stream only what follows); fail it when the wait's
+        bound passes. Its stage timers stay paused meanwhile (QUEUED has none)."""
+        assert self.wait_until_s is not None and self.waiting_since_s is not None
+        waited_s = self._now_s - self.waiting_since_s
+        if self._now_s >= self.wait_until_s:
+            self.wait_until_s = None
+            return self._end(
+                actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"no healthy instance within {waited_s:.1f}s ({self.error})"
+            )
+        try:
+            plan = fleet.place(self.placement_request(), frozenset())
+        except NoInstanceAvailable:
+            return actions
+        self.waiting_since_s = self.wait_until_s = None
+        self._start_plan(actions, fleet, plan, f"placed after waiting {waited_s:.1f}s for a healthy instance")
+        return actions
+
     def _choose_generation(self, fleet: FleetView, exclude: frozenset[str]) -> str | None:
         try:
-            return fleet.place(self.placement_request(), exclude).generation.instance_id
+            return fleet.choose_generation(self.placement_request(), exclude)
         except NoInstanceAvailable:
             return None
 

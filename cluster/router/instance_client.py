@@ -57,7 +57,13 @@ R = TypeVar("R")
 
 
 class InstanceUnavailable(Exception):
-    """The instance cannot be reached or is not taking work."""
+    """The instance cannot be reached or is not taking work. `dead`: its process is known to be
+    gone (Ray reported the actor dead, or it was killed), not merely late: the router need not wait
+    for a bound of silence to recover what it held."""
+
+    def __init__(self, message: str, *, dead: bool = False) -> None:
+        super().__init__(message)
+        self.dead = dead
 
 
 class InstanceRejected(Exception):
@@ -166,8 +172,12 @@ class RayInstanceClient(_InstanceCalls):
             return await asyncio.wait_for(self.actor.handle.remote(payload), timeout=timeout_s)
         except asyncio.TimeoutError:
             raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+        except ray.exceptions.ActorUnavailableError as error:
+            # Unreachable for now (a network blip, or restarting): a suspicion, confirmed by silence.
             raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}") from None
+        except ray.exceptions.RayActorError as error:
+            # Ray saw the actor's process die: whatever it held is gone, even if it restarts.
+            raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}", dead=True) from None
         except ray.exceptions.RayTaskError as error:
             raise InstanceUnavailable(f"{self.instance_id}: {name} failed: {error}") from None
 
@@ -183,7 +193,7 @@ class LocalInstanceClient(_InstanceCalls):
 
     async def _send(self, payload: bytes, name: str, timeout_s: float) -> bytes:
         if self.killed:
-            raise InstanceUnavailable(f"{self.instance_id}: killed")
+            raise InstanceUnavailable(f"{self.instance_id}: killed", dead=True)
         try:
             return await asyncio.wait_for(asyncio.to_thread(self.instance.handle, payload), timeout=timeout_s)
         except asyncio.TimeoutError:

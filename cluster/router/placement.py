@@ -455,6 +455,25 @@ class Placer:
         self._generation_policy = build_policy(config.generation_policy, rng)
         self._disagg = ConditionalDisagg(config.disaggregation, config.conditional)
 
+    def choose_generation(
+        self, request: PlacementRequest, candidates: Sequence[Candidate], overlap_blocks: Mapping[str, int]
+    ) -> Placement:
+        """The generation hop alone (a hand-over's target, a local recompute): no prefill needed."""
+        _check_overlap(overlap_blocks)
+        return self._choose_generation(request, _in_id_order(candidates), overlap_blocks)[0]
+
+    def _choose_generation(
+        self, request: PlacementRequest, ordered: Sequence[Candidate], overlap_blocks: Mapping[str, int]
+    ) -> tuple[Placement, list[Candidate]]:
+        generation_pool = [c for c in ordered if c.load.role in GENERATION_ROLES]
+        healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
+        if not healthy_generation:
+            raise NoInstanceAvailable(
+                "generation",
+                f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
+            )
+        return self._generation_policy.choose_eligible(request, healthy_generation, overlap_blocks), healthy_generation
+
     def place(
         self,
         request: PlacementRequest,
@@ -464,14 +483,7 @@ class Placer:
         # Checked and ordered once for both hops; the policies take the healthy ones from here.
         ordered = _in_id_order(candidates)
         _check_overlap(overlap_blocks)
-        generation_pool = [c for c in ordered if c.load.role in GENERATION_ROLES]
-        healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
-        if not healthy_generation:
-            raise NoInstanceAvailable(
-                "generation",
-                f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
-            )
-        generation = self._generation_policy.choose_eligible(request, healthy_generation, overlap_blocks)
+        generation, healthy_generation = self._choose_generation(request, ordered, overlap_blocks)
         generation_snapshot = next(c.snapshot for c in healthy_generation if c.instance_id == generation.instance_id)
         decision = self._disagg.decide(
             request, generation_snapshot, cached_blocks(request, generation.instance_id, overlap_blocks)

@@ -58,8 +58,10 @@ def test_defaults_are_valid_and_documented_values():
     assert [(s.action, s.max_attempts) for s in config.recovery.chain] == [
         (A.RETRY_TRANSFER, 1),
         (A.RECOMPUTE_LOCAL, 1),
+        (A.WAIT_FOR_INSTANCE, 2),
         (A.FAIL, 1),
     ]
+    assert config.recovery.step(A.WAIT_FOR_INSTANCE).max_wait_s == 60.0
     assert RouterConfig.from_dict({}) == config
 
 
@@ -228,11 +230,14 @@ def test_top_level_must_be_a_mapping():
 # --- recovery chain ---------------------------------------------------------------------------------
 
 
-def test_default_chain_retries_once_then_recomputes_then_fails():
+def test_default_chain_retries_once_then_recomputes_then_waits_then_fails():
     chain = RecoveryConfig()
     assert chain.next_action({}) is A.RETRY_TRANSFER
     assert chain.next_action({A.RETRY_TRANSFER: 1}) is A.RECOMPUTE_LOCAL
-    assert chain.next_action({A.RETRY_TRANSFER: 1, A.RECOMPUTE_LOCAL: 1}) is A.FAIL
+    assert chain.next_action({A.RETRY_TRANSFER: 1, A.RECOMPUTE_LOCAL: 1}) is A.WAIT_FOR_INSTANCE
+    assert chain.next_action({A.RETRY_TRANSFER: 1, A.RECOMPUTE_LOCAL: 1, A.WAIT_FOR_INSTANCE: 2}) is A.FAIL
+    # Waiting applies only to an outage (cluster/router/flow.py decides).
+    assert chain.next_action({A.RETRY_TRANSFER: 1, A.RECOMPUTE_LOCAL: 1}, frozenset({A.RETRY_TRANSFER})) is A.FAIL
 
 
 def test_chain_skips_actions_the_failure_rules_out():
