@@ -272,3 +272,45 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_blocks_freed() -> None:
         assert all(f == t for f, t in free.values()), free
 
     run(scenario())
+
+
+@pytest.mark.parametrize("victim", ["g0", "p0"])
+def test_the_only_instance_of_a_role_dies_and_every_request_completes(victim: str) -> None:
+    """1 PREFILL + 1 GENERATION; the only instance of one role is killed with requests in flight
+    and comes back (as Ray restarts an actor) a second later. Every request completes with the
+    tokens of a fault-free run, including requests sent during the outage; nothing is streamed
+    twice. A dead GENERATION instance leaves the requests waiting for it (QUEUED); a dead PREFILL
+    instance's requests recompute on the GENERATION instance."""
+    params = SamplingParams(max_tokens=60, temperature=0.8, top_k=40, seed=11, ignore_eos=True)
+    prompts = PROMPTS[:6]
+
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected = [(await reference.run(p, params))[0] for p in prompts]
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}) as cluster:
+            router = cluster.router
+            first = [asyncio.create_task(cluster.run(p, params)) for p in prompts[:4]]
+            while sum(1 for e in router._requests.values() if len(e.flow.outputs) >= 5) < 2:
+                await asyncio.sleep(0.005)
+            cluster.clients[victim].killed = True
+            cluster.instances[victim].shutdown()
+            await asyncio.sleep(0.3)
+            during = [asyncio.create_task(cluster.run(p, params)) for p in prompts[4:]]
+            await asyncio.sleep(0.7)
+            role = InstanceRole.GENERATION if victim == "g0" else InstanceRole.PREFILL
+            cluster.instances[victim] = make_instance(victim, role)
+            cluster.clients[victim] = LocalInstanceClient(cluster.instances[victim])
+            await router.add_instance(cluster.clients[victim])
+            results = await asyncio.wait_for(asyncio.gather(*first, *during), 60)
+            free = await cluster.free_blocks_settle()
+            assert router.illegal_transitions == 0
+        for (tokens, final), reference_tokens in zip(results, expected, strict=True):
+            assert final.outcome is Outcome.COMPLETE, final.error_message
+            assert tokens == reference_tokens
+        if victim == "g0":
+            waited = [f for _, f in results if "QUEUED" in states(f)[1:]]
+            assert waited, "some request waited for the generation instance"
+            assert any("waiting up to" in e.detail for _, f in results for e in f.timeline)
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
