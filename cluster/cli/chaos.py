@@ -73,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency", type=int, default=defaults.concurrency, metavar="N", help=f"requests in flight at most ({defaults.concurrency})"
     )
     parser.add_argument(
+        "--kill-only-role", dest="kill_role", choices=("prefill", "generation"), default=None,
+        help="kill only instances of this role (with --prefill 1 or --generation 1: the only one, which requests wait for)",
+    )
+    parser.add_argument(
         "--address", default=None, metavar="ADDR",
         help="the Ray cluster to join (default: an embedded local one; $RAY_ADDRESS is honoured)",
     )
@@ -100,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
             prefill=args.prefill,
             generation=args.generation,
             concurrency=args.concurrency,
+            kill_role=args.kill_role,
             address=args.address,
             model=args.model,
             dtype=args.dtype,

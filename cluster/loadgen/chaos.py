@@ -308,7 +308,8 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
         plan = faulty_config.faults or {}
         planned = planned_faults(plan, requests)
         instance_ids = sorted(faulty.deployment.actors)
-        schedule = kill_schedule(config, instance_ids)
+        roles = {i: m.info.role.name.lower() for i, m in faulty.router.fleet.members.items()}
+        schedule = kill_schedule(config, instance_ids, roles)
         logger.info("soak: %d requests, %d planned faults on first transfers, %d kills", len(requests), len(planned), len(schedule))
 
         started_s = time.monotonic()

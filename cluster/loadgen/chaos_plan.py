@@ -85,6 +85,7 @@ class SoakConfig:
     lost_after_s: float = 300.0  # an accepted request without a final event by then is lost
     settle_timeout_s: float = 90.0  # bound on waiting for instances to come back and free blocks
     restart_timeout_s: float = 180.0  # bound on waiting for a killed instance to serve again
+    kill_role: str | None = None  # "prefill" | "generation": kill only instances of that role
 
     def __post_init__(self) -> None:
         _int_at_least("requests", self.requests, 1)
@@ -103,6 +104,8 @@ class SoakConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise SoakConfigError(name, f"must be a positive number, got {value!r}")
+        if self.kill_role not in (None, "prefill", "generation"):
+            raise SoakConfigError("kill_role", f"must be prefill or generation, got {self.kill_role!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SoakConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -257,9 +260,17 @@ class PlannedKill:
     instance_id: str
 
 
-def kill_schedule(config: SoakConfig, instance_ids: Sequence[str]) -> tuple[PlannedKill, ...]:
+def kill_schedule(
+    config: SoakConfig, instance_ids: Sequence[str], roles: Mapping[str, str] | None = None
+) -> tuple[PlannedKill, ...]:
+    """Which instance dies after which request. With `config.kill_role`, only instances whose role
+    (`roles`: instance id -> "prefill" | "generation") is that one."""
     rng = random.Random(f"duet-soak-kills-{config.seed}")
     ordered = sorted(instance_ids)
+    if config.kill_role is not None:
+        ordered = [i for i in ordered if (roles or {}).get(i) == config.kill_role]
+        if not ordered:
+            raise SoakConfigError("kill_role", f"no {config.kill_role} instance to kill")
     return tuple(
         PlannedKill(after_request=number * config.kill_every - 1, instance_id=rng.choice(ordered))
         for number in range(1, config.num_kills + 1)
@@ -290,6 +301,8 @@ def faulty_cluster_config(config: SoakConfig) -> ClusterConfig:
             {"action": "retry_transfer", "max_attempts": 1},
             {"action": "reprefill_elsewhere", "max_attempts": 1},
             {"action": "recompute_local", "max_attempts": 1},
+            # The only instance of a role killed (--kill-only-role): wait for Ray to restart it.
+            {"action": "wait_for_instance", "max_attempts": 2, "max_wait_s": 60.0},
             {"action": "fail", "max_attempts": 1},
         ]
     }

@@ -147,6 +147,7 @@ class SoakReport:
     illegal_transitions: int
     recovered: int
     extra_latency_p50_s: float | None
+    extra_latency_p95_s: float | None
     extra_latency_p99_s: float | None
     recoveries_by_cause: Mapping[str, int]
     recoveries_by_action: Mapping[str, int]
@@ -187,7 +188,9 @@ class SoakReport:
             "illegal_transitions": self.illegal_transitions,
             "recovered": self.recovered,
             "extra_latency_p50_s": _round(self.extra_latency_p50_s),
+            "extra_latency_p95_s": _round(self.extra_latency_p95_s),
             "extra_latency_p99_s": _round(self.extra_latency_p99_s),
+            "kill_only_role": self.config.kill_role,
             "faults_fired": self.faults_fired,
             "recoveries_by_cause": dict(self.recoveries_by_cause),
             "recoveries_by_action": dict(self.recoveries_by_action),
@@ -231,6 +234,7 @@ class SoakReport:
             ("illegal transitions (must be 0)", str(self.illegal_transitions)),
             ("recovered requests", str(self.recovered)),
             ("extra latency of recovered p50", ms(self.extra_latency_p50_s)),
+            ("extra latency of recovered p95", ms(self.extra_latency_p95_s)),
             ("extra latency of recovered p99", ms(self.extra_latency_p99_s)),
             ("recoveries by cause", counts(self.recoveries_by_cause)),
             ("recoveries by action", counts(self.recoveries_by_action)),
@@ -334,6 +338,7 @@ def build_report(
         illegal_transitions=illegal_transitions,
         recovered=sum(1 for r in records if r.ok and was_recovered(r)),
         extra_latency_p50_s=_extra_latency_percentile(extras, 50),
+        extra_latency_p95_s=_extra_latency_percentile(extras, 95),
         extra_latency_p99_s=_extra_latency_percentile(extras, 99),
         recoveries_by_cause=dict(sorted(causes.items())),
         recoveries_by_action=dict(sorted(actions.items())),

@@ -86,6 +86,30 @@ def test_the_short_soak_loses_nothing_leaks_nothing_and_matches_the_replay(ray_c
     assert "PASS" in out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("role", ["generation", "prefill"])
+def test_killing_the_only_instance_of_a_role_loses_nothing_and_fails_nothing(ray_cluster, capsys, role) -> None:
+    """1 PREFILL + 1 GENERATION, 20 requests in flight, the only instance of `role` SIGKILLed: the
+    requests in flight and those sent while Ray restarts it all complete, with the tokens of the
+    fault-free replay (no failure at all, not only nothing lost)."""
+    requests = 60
+    status = main(
+        [
+            "--requests", str(requests), "--seed", "5", "--fault-rate", "0", "--kill-every", "40",
+            "--prefill", "1", "--generation", "1", "--concurrency", "20", "--kill-only-role", role, "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    figures, targets = result["figures"], result["targets"]
+    assert {name: targets[name]["value"] for name in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), out
+    assert status == 0, out
+    assert figures["kill_only_role"] == role
+    assert figures["kills"] == figures["kills_recovered"] == 1, figures
+    assert figures["completed"] == requests and figures["failed_by_status"] == {}, figures
+
+
 # ---- the building blocks, no cluster ----------------------------------------------------------
 
 
@@ -132,6 +156,11 @@ def test_the_kill_schedule_is_seeded_and_every_k_requests() -> None:
     assert [k.after_request for k in schedule] == [99 + 100 * i for i in range(9)]
     assert {k.instance_id for k in schedule} <= set(ids)
     assert kill_schedule(SoakConfig(requests=1000, kill_every=0), ids) == ()
+    roles = {i: i.split("-")[0] for i in ids}
+    only = kill_schedule(SoakConfig(requests=1000, seed=2, kill_every=100, kill_role="generation"), ids, roles)
+    assert len(only) == 9 and {k.instance_id for k in only} <= {"generation-0", "generation-1"}
+    with pytest.raises(SoakConfigError):
+        kill_schedule(SoakConfig(requests=1000, kill_every=100, kill_role="prefill"), ["generation-0"], {"generation-0": "generation"})
 
 
 def test_the_soak_deploys_a_faulty_pd_cluster_and_a_clean_colocated_one() -> None:
