@@ -568,7 +568,7 @@ class Router:
                     # Certain, not a late answer: recover at once rather than after dead_after_s.
                     await self._declare_dead(member, str(error))
                 else:
-                    await self._on_silence(member, str(error))
+                    await self._on_silence(member, str(error), late=error.late)
                 await asyncio.sleep(min(0.2, health.heartbeat_interval_s))
                 continue
             except Exception:  # noqa: BLE001 - a bug in decoding must not stop polling
@@ -583,10 +583,11 @@ class Router:
                 # healthy forever without ever being polled again.
                 logger.exception("handling a batch from %s failed", member.instance_id)
 
-    async def _on_silence(self, member: Member, reason: str) -> None:
+    async def _on_silence(self, member: Member, reason: str, *, late: bool = True) -> None:
         now = self._clock()
-        if self.fleet.silent(member, now, reason):
-            await self._declare_dead(member, f"silent for {self.fleet.silent_for_s(member, now):.1f}s ({reason})")
+        if self.fleet.silent(member, now, reason, late=late):
+            what = "failed twice in a row" if member.failed_polls >= 2 else f"silent for {self.fleet.silent_for_s(member, now):.1f}s"
+            await self._declare_dead(member, f"{what} ({reason})")
 
     async def _declare_dead(self, member: Member, reason: str) -> None:
         held = self.fleet.mark_dead(member, reason)

@@ -29,6 +29,10 @@ from worker.protocol import EngineLoad, InstanceInfo, InstanceRole, PollBatch
 logger = logging.getLogger(__name__)
 
 
+# Polls in a row that must fail with an error (not a timeout) before an instance is taken for dead.
+FAILED_POLLS_CONFIRM = 2
+
+
 @dataclass
 class Member:
     """One registered instance."""
@@ -47,6 +51,7 @@ class Member:
     # Hops to abort when it answers again: those it held when it was declared dead, those whose
     # stop could not reach it, and those whose submit did not answer (it may have landed).
     to_abort: set[str] = field(default_factory=set)
+    failed_polls: int = 0  # polls in a row that failed with an error (not merely late)
 
     @property
     def instance_id(self) -> str:
@@ -80,11 +85,19 @@ class Fleet:
             member.candidate = None
         member.health = InstanceHealthView.HEALTHY
         member.last_ok_s = now_s
+        member.failed_polls = 0
 
-    def silent(self, member: Member, now_s: float, reason: str) -> bool:
-        """A poll failed or was late. True when the instance is now to be declared dead."""
+    def silent(self, member: Member, now_s: float, reason: str, *, late: bool = True) -> bool:
+        """A poll failed or was late. True when the instance is now to be declared dead: silent for
+        dead_after_s, or a second poll in a row failed with an error (`late` False: the instance or
+        Ray answered that it cannot serve, which a loaded machine does not do; the first such
+        failure is a suspicion, the second confirms it)."""
         if member.dead:
             return False
+        if not late:
+            member.failed_polls += 1
+            if member.failed_polls >= FAILED_POLLS_CONFIRM:
+                return True
         silent_s = now_s - member.last_ok_s
         if silent_s >= self._dead_after_s:
             return True

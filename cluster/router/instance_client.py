@@ -61,9 +61,10 @@ class InstanceUnavailable(Exception):
     gone (Ray reported the actor dead, or it was killed), not merely late: the router need not wait
     for a bound of silence to recover what it held."""
 
-    def __init__(self, message: str, *, dead: bool = False) -> None:
+    def __init__(self, message: str, *, dead: bool = False, late: bool = False) -> None:
         super().__init__(message)
         self.dead = dead
+        self.late = late  # no answer within the call's deadline (a loaded machine may just be slow)
 
 
 class InstanceRejected(Exception):
@@ -171,7 +172,7 @@ class RayInstanceClient(_InstanceCalls):
         try:
             return await asyncio.wait_for(self.actor.handle.remote(payload), timeout=timeout_s)
         except asyncio.TimeoutError:
-            raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s") from None
+            raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s", late=True) from None
         except ray.exceptions.ActorUnavailableError as error:
             # Unreachable for now (a network blip, or restarting): a suspicion, confirmed by silence.
             raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}") from None
@@ -197,7 +198,7 @@ class LocalInstanceClient(_InstanceCalls):
         try:
             return await asyncio.wait_for(asyncio.to_thread(self.instance.handle, payload), timeout=timeout_s)
         except asyncio.TimeoutError:
-            raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s") from None
+            raise InstanceUnavailable(f"{self.instance_id}: {name} did not answer within {timeout_s:.1f}s", late=True) from None
 
 
 class InstantInstanceClient(_InstanceCalls):

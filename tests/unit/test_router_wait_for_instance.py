@@ -120,3 +120,18 @@ def test_waiting_stops_every_hop_it_gives_up() -> None:
     out = run.apply(lambda f, t, fl: f.on_instance_dead(generation, "instance g0 died", t, fl))
     assert {a.engine_id for a in out if isinstance(a, StopHop)} == {prefill.engine_id}
     assert run.flow.state is S.QUEUED
+
+
+def test_two_failed_polls_in_a_row_confirm_a_death_a_late_one_does_not() -> None:
+    """A poll that fails with an error (Ray: the actor is unavailable) is a suspicion, a second in a
+    row confirms it; polls that are merely late count only toward dead_after_s (a loaded machine)."""
+    fleet, _ = pair()
+    member = fleet.members["g0"]
+    assert not fleet.silent(member, 0.1, "late", late=True)
+    assert not fleet.silent(member, 0.2, "late", late=True)
+    assert not fleet.silent(member, 0.3, "ActorUnavailableError", late=False)
+    fleet.answered(member, 0.4)  # an answer clears the suspicion
+    assert not fleet.silent(member, 0.5, "ActorUnavailableError", late=False)
+    assert fleet.silent(member, 0.6, "ActorUnavailableError", late=False)
+    other = fleet.members["p0"]
+    assert fleet.silent(other, 5.0, "late", late=True), "silence for dead_after_s still kills"
