@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.block_manager import BlockManager, BlockManagerConfig
-from scheduler.config import ChunkingConfig, SchedulerConfig
+from scheduler.config import CapacitySchedulerPolicy, ChunkingConfig, SchedulerConfig
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
@@ -110,6 +111,9 @@ class _Tracked:
     # CONTEXT_ONLY: a push the router relayed before the context was done (an early reservation);
     # it starts the moment the KV is final. Opaque to the engine (worker/instance.py's Push).
     pending_push: object | None = None
+    # CONTEXT_ONLY: the source of a push that started while the context still computes (its
+    # finished chunks' full blocks are pushed as they become final).
+    stream: _TransferSource | None = None
 
 
 def _mix_seed(engine_seed: int, request_id: str) -> int:
@@ -201,11 +205,16 @@ class Engine:
         )
         self._pending_outputs: list[RequestOutput] = []
         self._events: list[StateEvent] = []
-        self._ready_pushes: list[object] = []
+        self._ready_pushes: list[tuple[object, _TransferSource | None]] = []
+        self._finishing_streams: list[tuple[_TransferSource, tuple[int, ...]]] = []
+        # Chunk streaming needs blocks that stay put until the push returns: no capacity policy
+        # that pauses (and frees) a running context.
+        self._stream_kv = cfg.stream_kv_chunks and cfg.capacity_policy is not CapacitySchedulerPolicy.MAX_UTILIZATION
         self.num_steps = 0
         self.num_finished = 0
         self.num_pauses = 0
         self.num_forward_tokens = 0
+        self.num_streamed_pushes = 0  # pushes started on the finished chunks of a context still computing
 
     # --- submission -----------------------------------------------------------------------------
     def add_request(self, submit: SubmitRequest) -> None:
@@ -329,6 +338,8 @@ class Engine:
 
         for llm in schedule.context:
             llm.move_to_next_context_chunk()
+            if llm.context_remaining_length > 0:
+                self._stream_finished_chunks(self._requests[llm.request_id], llm)
         for index, llm in enumerate(sampled):
             tracked = self._requests[llm.request_id]
             token = result.token_ids[index]
@@ -342,15 +353,22 @@ class Engine:
             text = step.text_delta
             if step.finished:
                 text += tracked.stop.flush(tracked.detokenizer.finish())
-                self._finish(tracked, S.GENERATION_COMPLETE, outputs, [token], text, (logprobs,), step.finish_reason, step.stop_reason)
+                self._finish_after_stream(
+                    tracked, outputs, [token], text, (logprobs,), step.finish_reason, step.stop_reason
+                )
                 continue
             if finishing_context and tracked.submit.request_type is RequestType.CONTEXT_ONLY:
                 self._set_state(tracked, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
                 self.handover.start_lease(tracked.handover, self._clock())
-                if tracked.pending_push is not None:
+                if tracked.stream is not None:
+                    # Its earlier chunks are pushed or in flight: the tail goes next, then the
+                    # commit (released by drain_ready_pushes, once this step's outputs are out).
+                    self._finishing_streams.append((tracked.stream, tuple(tracked.outputs)))
+                    tracked.stream = None
+                elif tracked.pending_push is not None:
                     # The target reserved while this context ran: the push leaves before the
                     # first token is even polled (worker/instance.py starts it after this step).
-                    self._ready_pushes.append(tracked.pending_push)
+                    self._ready_pushes.append((tracked.pending_push, None))
                     tracked.pending_push = None
                 outputs.append(self._output(tracked, [token], text, (logprobs,), context_done=True))
                 continue
@@ -500,10 +518,55 @@ class Engine:
         self._record(tracked, tracked.llm.state, "KV target reserved: pushing when the context is done")
         return True
 
-    def drain_ready_pushes(self) -> list[object]:
-        """Pushes whose request's context completed since the last call (they start at once)."""
+    def drain_ready_pushes(self) -> list[tuple[object, _TransferSource | None]]:
+        """Pushes to start at once: (push, None) for a request whose context completed since the
+        last call (its source comes from `begin_push`), (push, source) for one streaming the
+        finished chunks of a context still computing (the source is pinned already)."""
+        # Called after the step's outputs were published: a streaming push may commit (and report)
+        # from here on, so the router always hears of the first token before the push's result.
+        for source, output_token_ids in self._finishing_streams:
+            source.finish(output_token_ids)
+        self._finishing_streams.clear()
         ready, self._ready_pushes = self._ready_pushes, []
         return ready
+
+    def _stream_finished_chunks(self, tracked: _Tracked, llm: LlmRequest) -> None:
+        """A context chunk finished and more follow: the full blocks computed so far are final. The
+        first time, a relayed push starts on them (its source pinned, as `begin_push` pins);
+        afterwards its source learns how far it may read."""
+        if not self._stream_kv or (tracked.pending_push is None and tracked.stream is None):
+            return
+        ready = llm.context_current_position // self.config.tokens_per_block
+        if tracked.stream is not None:
+            tracked.stream.advance(ready)
+            return
+        if ready == 0:
+            return
+        source = _TransferSource(self, list(self.blocks.block_ids(llm.request_id)), ready_blocks=ready)
+        self.handover.pin(tracked.handover)
+        self.num_streamed_pushes += 1
+        tracked.stream = source
+        self._ready_pushes.append((tracked.pending_push, source))
+        tracked.pending_push = None
+        self._record(tracked, llm.state, f"pushing the KV of finished chunks ({ready} blocks)")
+
+    def _finish_after_stream(
+        self, tracked: _Tracked, outputs: list[RequestOutput], tokens: list[int], text: str, logprobs: tuple,
+        finish_reason: FinishReason | None, stop_reason: int | str | None,
+    ) -> None:
+        """The request's first token was its last: end it, once a push streaming its blocks (which
+        can no longer complete) has returned, never under the push's reads."""
+        stream = tracked.stream
+        if stream is None:
+            self._finish(tracked, S.GENERATION_COMPLETE, outputs, tokens, text, logprobs, finish_reason, stop_reason)
+            return
+        tracked.stream = None
+        stream.cancel()
+
+        def end(later: list[RequestOutput]) -> None:
+            self._finish(tracked, S.GENERATION_COMPLETE, later, tokens, text, logprobs, finish_reason, stop_reason)
+
+        self._end_when_unpinned(tracked, end)
 
     def begin_push(self, request_id: str) -> _TransferSource:
         """Pin the request's blocks for a push from another thread: its lease cannot free them until
@@ -550,6 +613,8 @@ class Engine:
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.finished:
             return
+        if pinned and tracked.stream is not None:
+            tracked.stream = None  # the push streaming its chunks returned (it failed: it had not committed)
         if pinned:
             after = self.handover.unpin(tracked.handover)
             if after is Unpinned.END:
@@ -570,6 +635,9 @@ class Engine:
         if tracked is None or tracked.finished:
             return False
         self.handover.cancel(tracked.handover)  # waits for a write in progress
+        if tracked.stream is not None:  # a push waiting for chunks that will not come: fail it now
+            tracked.stream.cancel()
+            tracked.stream = None
         error = RequestError(ErrorCode.ABORTED, detail)
 
         def end(outputs: list[RequestOutput]) -> None:
@@ -705,14 +773,41 @@ class Engine:
 
 
 class _TransferSource:
-    """TransferSource over a request's blocks on the prefill side."""
+    """TransferSource over a request's blocks on the prefill side. A streaming one
+    (StreamingTransferSource) starts with the blocks of the finished chunks of a context still
+    computing: the engine thread advances it, finishes it (every block final, the output tokens
+    known) or cancels it, and the push thread waits on it."""
 
-    def __init__(self, engine: Engine, block_ids: list[int]) -> None:
+    def __init__(self, engine: Engine, block_ids: list[int], *, ready_blocks: int | None = None) -> None:
         self._cache = engine.kv_cache
         self._block_ids = block_ids
         self.layout = engine.layout
         self.num_blocks = len(block_ids)
         self.output_token_ids: tuple[int, ...] = ()
+        self._ready = threading.Condition()
+        self._ready_blocks = self.num_blocks if ready_blocks is None else ready_blocks
+        self._cancelled = False
+
+    def advance(self, ready_blocks: int) -> None:
+        with self._ready:
+            self._ready_blocks = max(self._ready_blocks, min(ready_blocks, self.num_blocks))
+            self._ready.notify_all()
+
+    def finish(self, output_token_ids: tuple[int, ...]) -> None:
+        with self._ready:
+            self.output_token_ids = output_token_ids
+            self._ready_blocks = self.num_blocks
+            self._ready.notify_all()
+
+    def cancel(self) -> None:
+        with self._ready:
+            self._cancelled = True
+            self._ready.notify_all()
+
+    def wait_ready(self, have_blocks: int, timeout_s: float) -> int:
+        with self._ready:
+            self._ready.wait_for(lambda: self._cancelled or self._ready_blocks > have_blocks, timeout=timeout_s)
+            return -1 if self._cancelled else self._ready_blocks
 
     def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> memoryview:
         with torch.inference_mode():

@@ -53,6 +53,9 @@ class EngineConfig(ConfigStruct, frozen=True):
     """Context chunking policy, by name; None: contexts are never chunked."""
     chunk_unit_tokens: PositiveInt = 256
     """Tokens per context chunk; a multiple of tokens_per_block, at most max_num_tokens."""
+    stream_kv_chunks: bool = True
+    """PREFILL: once a request's KV target is reserved, push the full blocks of each finished context
+    chunk while later chunks compute (not under MAX_UTILIZATION, which may pause a context)."""
     enable_prefix_reuse: bool = True
     """Reuse cached KV blocks of shared prompt prefixes."""
     max_seq_len: PositiveInt | None = None

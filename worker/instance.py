@@ -418,8 +418,8 @@ class Instance:
                     # result of the push it started; the push right after (microseconds later).
                     self._refresh_load()
                     self._publish(outputs)
-                    for push in self.engine.drain_ready_pushes():
-                        self._start_push(push)
+                    for push, source in self.engine.drain_ready_pushes():
+                        self._start_push(push, source)
                 if not worked:
                     # Nothing runnable: sleep until a command or an inbox item arrives (bounded,
                     # so timers such as leases and reservations are still checked).
@@ -487,7 +487,9 @@ class Instance:
                         command.box.set_exception(error)
             self._publish([])
 
-    def _start_push(self, push: Push) -> None:
+    def _start_push(self, push: Push, source=None) -> None:
+        """Start a push on the pool. `source`: a streaming source the engine pinned already (the
+        push began on a context's finished chunks); None: the request's KV is final (begin_push)."""
         from worker.engine import EngineError
 
         request_id, target, transfer_id, deadline_s = push.request_id, push.target, push.transfer_id, push.deadline_s
@@ -496,11 +498,12 @@ class Instance:
         if self.sender is None:
             self._report_push(PushResult(request_id, transfer_id, False, FailureReason.INTERNAL.value, "this instance sends no KV", 0, 0.0))
             return
-        try:
-            source = self.engine.begin_push(request_id)
-        except EngineError as error:
-            self._report_push(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, str(error), 0, 0.0))
-            return
+        if source is None:
+            try:
+                source = self.engine.begin_push(request_id)
+            except EngineError as error:
+                self._report_push(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, str(error), 0, 0.0))
+                return
 
         def run() -> None:
             try:

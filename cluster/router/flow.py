@@ -485,6 +485,13 @@ class RequestFlow:
         generation = self.generation
         if generation is None or generation.transfer_id != push.transfer_id or generation.failure_handled:
             return actions
+        if self.state in (GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS):
+            # A push streaming the finished chunks of a context still computing failed: its
+            # reservation may hold part of the KV. Free it; the hand-over starts again at context
+            # done (the prefill instance keeps computing, and then holds the KV).
+            generation.failure_handled = True
+            self._stop(actions, generation, f"its push failed while the context computed: {push.reason}")
+            return actions
         if self.state not in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
             # The receiver committed this transfer before the sender saw its call fail (a
             # connection lost after the commit): the hand-over stands; free the sender's copy.

@@ -314,3 +314,65 @@ def test_the_only_instance_of_a_role_dies_and_every_request_completes(victim: st
         assert all(f == t for f, t in free.values()), free
 
     run(scenario())
+
+
+LONG_PROMPT = [(11 * i + 3) % 250 for i in range(900)]
+SMALL_CHUNKS = {"max_num_tokens": 64, "chunk_unit_tokens": 64}
+
+
+def test_finished_chunks_are_pushed_while_later_chunks_compute() -> None:
+    """A 900-token prompt in 64-token chunks; the prefill holds after its first chunk long enough for
+    the early reservation to reach it, then pushes each finished chunk's blocks while the next ones
+    compute, and commits once after the tail. The tokens equal a MIXED instance's."""
+    hold = {"p0": {"enabled": True, "seed": 1, "rules": [
+        {"kind": "hold", "state": "CONTEXT_IN_PROGRESS", "seconds": 0.5, "request_ids": ["*.p1"]},
+    ]}}
+
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected, _ = await reference.run(LONG_PROMPT, GREEDY)
+        config = router_config(handover={"reserve": "at_context_start"})
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, hold, config=config, engine=SMALL_CHUNKS) as cluster:
+            tokens, final = await cluster.run(LONG_PROMPT, GREEDY)
+            free = await cluster.free_blocks_settle()
+            router = cluster.router
+            streamed = cluster.instances["p0"].engine.num_streamed_pushes
+            assert not router.recovery_actions and router.transfers["committed"] == 1, (router.recovery_actions, router.transfers)
+        assert final.outcome is Outcome.COMPLETE, final.error_message
+        assert tokens == expected
+        assert streamed == 1
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())
+
+
+def test_the_prefill_instance_killed_while_streaming_chunks_frees_the_reservation_and_recovers() -> None:
+    async def scenario():
+        async with Cluster({"m0": InstanceRole.MIXED}) as reference:
+            expected, _ = await reference.run(LONG_PROMPT, GREEDY)
+        config = router_config(handover={"reserve": "at_admission"})
+        roles = {"p0": InstanceRole.PREFILL, "p1": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}
+        engine = {"max_num_tokens": 32, "chunk_unit_tokens": 32}
+        async with Cluster(roles, config=config, engine=engine) as cluster:
+            router = cluster.router
+            task = asyncio.create_task(cluster.run(LONG_PROMPT, GREEDY))
+            victim = None
+            while victim is None and not task.done():
+                for name in ("p0", "p1"):
+                    if cluster.instances[name].engine.num_streamed_pushes:
+                        victim = name
+                await asyncio.sleep(0.001)
+            assert victim is not None, "the push never streamed"
+            cluster.clients[victim].killed = True
+            cluster.instances[victim].shutdown()
+            tokens, final = await asyncio.wait_for(task, 60)
+            survivors = {k: v for k, v in cluster.instances.items() if k != victim}
+            cluster.instances = survivors
+            free = await cluster.free_blocks_settle()
+            assert router.illegal_transitions == 0
+        assert final.outcome is Outcome.COMPLETE, final.error_message
+        assert tokens == expected
+        assert router.recovery_actions, "the kill was recovered"
+        assert all(f == t for f, t in free.values()), free
+
+    run(scenario())

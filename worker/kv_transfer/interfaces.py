@@ -66,6 +66,18 @@ class TransferSource(Protocol):
 
 
 @runtime_checkable
+class StreamingTransferSource(TransferSource, Protocol):
+    """A TransferSource whose blocks become final over time (a chunked prefill still computing): the
+    sender pushes each part as soon as it is final, then commits. Blocks are final in order."""
+
+    def wait_ready(self, have_blocks: int, timeout_s: float) -> int:
+        """How many leading blocks are final, once more than `have_blocks` are (`num_blocks`: all);
+        `have_blocks` if `timeout_s` passed first; -1 if the source was given up (the request
+        ended: nothing more will come, and the push must fail)."""
+        ...
+
+
+@runtime_checkable
 class TransferPartsSource(TransferSource, Protocol):
     """A TransferSource that can also hand out a range as several buffers without gathering them (a
     range that is not contiguous in its storage). The sender then builds each chunk's message from

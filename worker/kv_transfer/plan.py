@@ -51,8 +51,12 @@ def _even_ranges(total: int, max_per_range: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def plan_chunks(layout: KvLayout, num_blocks: int, max_chunk_bytes: int) -> tuple[ChunkSpec, ...]:
-    """Cover every (layer, block) cell of [0, num_layers) x [0, num_blocks) exactly once."""
+def plan_chunks(
+    layout: KvLayout, num_blocks: int, max_chunk_bytes: int, *, first_block: int = 0, first_sequence: int = 0
+) -> tuple[ChunkSpec, ...]:
+    """Cover every (layer, block) cell of [0, num_layers) x [first_block, first_block + num_blocks)
+    exactly once, numbering the chunks from `first_sequence` (a push streamed in parts plans each
+    part with the blocks and sequence numbers that follow the previous part's)."""
     if num_blocks <= 0:
         raise ChunkPlanError(f"num_blocks must be positive, got {num_blocks}")
     block_bytes = layout.block_bytes_per_layer
@@ -70,7 +74,10 @@ def plan_chunks(layout: KvLayout, num_blocks: int, max_chunk_bytes: int) -> tupl
         for layer in range(layout.num_layers):
             for block_start, block_end in block_ranges:
                 rectangles.append((layer, layer + 1, block_start, block_end))
-    return tuple(ChunkSpec(sequence, *rectangle) for sequence, rectangle in enumerate(rectangles))
+    return tuple(
+        ChunkSpec(first_sequence + sequence, layer_start, layer_end, first_block + block_start, first_block + block_end)
+        for sequence, (layer_start, layer_end, block_start, block_end) in enumerate(rectangles)
+    )
 
 
 def assign_streams(chunks: tuple[ChunkSpec, ...], num_streams: int) -> tuple[tuple[ChunkSpec, ...], ...]:

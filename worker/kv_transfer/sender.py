@@ -28,7 +28,7 @@ from worker.kv_transfer.config import SenderConfig, TransportSecurity, grpc_opti
 from worker.kv_transfer.failures import FAILURE_METADATA_KEY, FailureReason, TransferFailure, reason_from_grpc
 from worker.kv_transfer.faults import NO_CHUNK_FAULTS, FaultInjector, FaultSide
 from worker.kv_transfer.ids import check_request_id, check_transfer_id
-from worker.kv_transfer.interfaces import TransferOutcome, TransferPartsSource, TransferSource
+from worker.kv_transfer.interfaces import StreamingTransferSource, TransferOutcome, TransferPartsSource, TransferSource
 from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
 
@@ -208,6 +208,7 @@ class _PushRun:
         self.bytes_sent = 0
         self.num_streams = 0
         self.checksum_algorithm = 0  # negotiated at Prepare
+        self._next_sequence = 0  # the sequence number of the next chunk planned
         self._read_parts = source.read_parts if isinstance(source, TransferPartsSource) else None
         # Finished stream calls, and None whenever a local failure is set.
         self._done: queue.Queue[grpc.Future | None] = queue.Queue()
@@ -291,13 +292,56 @@ class _PushRun:
             return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, problem))
         self.checksum_algorithm = answer.checksum_algorithm
         chunk_bytes = min(config.max_chunk_bytes, answer.max_chunk_bytes or config.max_chunk_bytes)
+        max_streams = min(config.num_streams, max(answer.max_streams, 1))
+        # A streaming source (StreamingTransferSource) hands out its blocks as they become final:
+        # each part is sent as soon as it is ready, and the commit follows the last one.
+        wait_ready = source.wait_ready if isinstance(source, StreamingTransferSource) else None
+        sent_blocks = 0
+        while sent_blocks < source.num_blocks:
+            ready = source.num_blocks if wait_ready is None else wait_ready(sent_blocks, max(self.remaining_s(), 0.0))
+            if ready < 0:
+                return self._fail(connections, TransferFailure(FailureReason.CANCELLED, "the sender gave up its KV"))
+            if ready <= sent_blocks:
+                return self._fail(connections, TransferFailure(FailureReason.DEADLINE_EXCEEDED, "the KV was not final in time"))
+            failure = self._send_blocks(connections, sent_blocks, ready, chunk_bytes, max_streams)
+            if failure is not None:
+                return failure
+            sent_blocks = ready
+
         try:
-            chunks = plan_chunks(source.layout, source.num_blocks, chunk_bytes)
+            connections.commit(
+                pb.KvCommitRequest(
+                    transfer_id=self.transfer_id,
+                    request_id=self.request_id,
+                    chunks_sent=self.chunks_sent,
+                    bytes_sent=self.bytes_sent,
+                    output_token_ids=getattr(self.source, "output_token_ids", ()),
+                ),
+                timeout=max(self.remaining_s(), 0.001),
+                metadata=metadata,
+            )
+        except grpc.RpcError as error:
+            return self._fail(connections, self._failure_from_rpc(error))
+        except ValueError as error:
+            return self._fail(connections, self._channel_closed(connections, error))
+        return None
+
+    def _send_blocks(
+        self, connections: _Connections, block_start: int, block_end: int, chunk_bytes: int, max_streams: int
+    ) -> TransferFailure | None:
+        """Send blocks [block_start, block_end) over up to `max_streams` streams and wait for them
+        (None: every stream finished; otherwise the push has failed and is cleaned up)."""
+        metadata = self.sender._metadata
+        source = self.source
+        try:
+            chunks = plan_chunks(
+                source.layout, block_end - block_start, chunk_bytes, first_block=block_start, first_sequence=self._next_sequence
+            )
         except ChunkPlanError as error:
             return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, str(error)))
-        streams = assign_streams(chunks, min(config.num_streams, max(answer.max_streams, 1)))
-        self.num_streams = len(streams)
-
+        self._next_sequence += len(chunks)
+        streams = assign_streams(chunks, max_streams)
+        self.num_streams = max(self.num_streams, len(streams))
         done = self._done
         calls = []
         for index, stream_chunks in enumerate(streams):
@@ -319,23 +363,6 @@ class _PushRun:
         failure = self._wait(calls, done)
         if failure is not None:
             return self._fail(connections, failure, calls)
-
-        try:
-            connections.commit(
-                pb.KvCommitRequest(
-                    transfer_id=self.transfer_id,
-                    request_id=self.request_id,
-                    chunks_sent=self.chunks_sent,
-                    bytes_sent=self.bytes_sent,
-                    output_token_ids=getattr(self.source, "output_token_ids", ()),
-                ),
-                timeout=max(self.remaining_s(), 0.001),
-                metadata=metadata,
-            )
-        except grpc.RpcError as error:
-            return self._fail(connections, self._failure_from_rpc(error))
-        except ValueError as error:
-            return self._fail(connections, self._channel_closed(connections, error))
         return None
 
     def _wait(self, calls: list[grpc.Future], done: queue.Queue[grpc.Future | None]) -> TransferFailure | None:
