@@ -237,3 +237,23 @@ def test_every_event_in_every_state_keeps_the_invariants(reserve_at: str, state:
     if not run.flow.ended and event != "hop aborted by its instance":  # only the router aborts a hop
         live = [h for h in run.flow.hops() if h.live]
         assert live, "a request in flight has a live hop"
+
+
+def test_a_push_failing_while_the_context_streams_frees_the_early_reservation() -> None:
+    """The prefill instance streams finished chunks to the early reservation and the push fails
+    before the context is done: the generation hop is stopped (its blocks may hold part of the KV),
+    no recovery is needed, and the hand-over starts again from the KV the prefill still computes."""
+    run = early_run()
+    run.apply(lambda f, t, fl: f.admit(t, fl))
+    prefill_started(run)
+    generation = run.hop(Phase.GENERATION)
+    reserve(run, generation)
+    prefill = run.hop(Phase.PREFILL)
+    push = PushResult(prefill.engine_id, generation.transfer_id or "", False, "CHECKSUM_MISMATCH", "x", 0, 0.0)
+    out = run.apply(lambda f, t, fl: f.on_push_result(prefill, push, t, fl))
+    assert [a.engine_id for a in out if isinstance(a, StopHop)] == [generation.engine_id]
+    assert not [a for a in out if isinstance(a, NoteRecovery)]
+    assert prefill.live and run.flow.state is S.CONTEXT_IN_PROGRESS
+    (late,) = starts(first_token(run))
+    assert late.phase is Phase.GENERATION and not late.token_with_kv
+    assert run.flow.state is S.GENERATION_INIT
