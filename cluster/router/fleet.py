@@ -185,6 +185,11 @@ class Fleet:
             for m in self.members.values()
         )
 
+    def kv_bytes(self, instance_id: str, num_blocks: int) -> int:
+        """The bytes of `num_blocks` KV blocks (every layer, K and V) on that instance."""
+        layout = self.members[instance_id].info.layout
+        return layout.run_bytes(layout.num_layers, num_blocks)
+
     def has_members(self, roles: frozenset[InstanceRole]) -> bool:
         """Whether an instance of these roles was ever registered, healthy or not (one that died may
         come back: Ray restarts it, or it answers again)."""

@@ -115,6 +115,10 @@ class FleetView(Protocol):
         """Whether instances of these roles were registered at all (healthy or not)."""
         ...
 
+    def kv_bytes(self, instance_id: str, num_blocks: int) -> int:
+        """The bytes of `num_blocks` KV blocks on that instance."""
+        ...
+
     def role(self, instance_id: str) -> InstanceRole: ...
 
 
@@ -137,6 +141,7 @@ class Attempt:
     push_relayed: bool = False  # its reservation went to the prefill instance, which pushes on its own
     committed: bool = False  # the instance reported the KV committed (maybe before the first token)
     reserved_blocks: int = 0
+    reserved_bytes: int = 0
     lease_s: float = 0.0  # the reservation's timeout on the instance; renewed every third of it
     renewed_s: float = 0.0
 
@@ -402,6 +407,7 @@ class RequestFlow:
         prefill = self.prefill
         attempt.transfer_id = notice.transfer_id
         attempt.reserved_blocks = notice.num_blocks
+        attempt.reserved_bytes = fleet.kv_bytes(attempt.instance_id, notice.num_blocks)
         attempt.lease_s = notice.lease_s
         attempt.renewed_s = now_s
         if attempt.early and prefill is not None and prefill.live and not prefill.context_done:
@@ -574,7 +580,7 @@ class RequestFlow:
             GlobalState.CONTEXT_WAIT: timeouts.context_s,
             GlobalState.CONTEXT_IN_PROGRESS: timeouts.context_s,
             GlobalState.GENERATION_INIT: timeouts.reservation_s,
-            GlobalState.TRANSMISSION: timeouts.transfer_s,
+            GlobalState.TRANSMISSION: self._transmission_bound_s(),
             GlobalState.GENERATING: timeouts.generation_s,
         }.get(state)
         if limit is None or self.timeline.time_in_state_s(now_s) < limit:
@@ -586,9 +592,18 @@ class RequestFlow:
         if attempt is None:
             return actions
         kv_survives = state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION) and self.prefill is not None and self.prefill.live
-        self._stop(actions, attempt, f"{state.name} exceeded {limit}s")
-        self._recover(actions, attempt, f"{state.name} exceeded its {limit}s stage timeout", fleet, kv_survives=kv_survives)
+        self._stop(actions, attempt, f"{state.name} exceeded {limit:.3g}s")
+        self._recover(actions, attempt, f"{state.name} exceeded its {limit:.3g}s stage timeout", fleet, kv_survives=kv_survives)
         return actions
+
+    def _transmission_bound_s(self) -> float:
+        """How long TRANSMISSION may last: long enough for the transfer's bytes at the slowest rate a
+        healthy path keeps, plus a fixed allowance, and never beyond timeouts.transfer_s. A stalled
+        transfer is retried at the speed of its size, not after a deadline sized for the largest."""
+        handover = self._config.handover
+        generation = self.generation
+        size_bound_s = handover.stall_base_s + (generation.reserved_bytes if generation else 0) / handover.stall_min_bytes_per_s
+        return min(self._config.timeouts.transfer_s, size_bound_s)
 
     # --- ends -----------------------------------------------------------------------------------------
     def abort(self, now_s: float, error_kind: ErrorKind | None, message: str) -> list[Action]:
