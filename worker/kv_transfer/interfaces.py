@@ -89,6 +89,8 @@ class TransferOutcome:
     chunks_sent: int
     num_streams: int
     elapsed_s: float
+    data_plane: str = "grpc"
+    """What carried the bytes: "grpc" or "shm" (a data plane name of worker/kv_transfer/config.py)."""
 
     @property
     def ok(self) -> bool:

@@ -5,6 +5,14 @@ One push: Prepare (both sides check compatibility before a byte moves), then the
 `num_streams` parallel client streams spread over `num_connections` TCP connections, then Commit,
 whose OK answer is the receiver's acknowledgement. `push` blocks, may be called from any thread,
 and never raises for a transfer failure: it returns a TransferOutcome naming the FailureReason.
+
+Data planes (SenderConfig.data_plane): on the gRPC plane the chunk messages carry the bytes. On the
+shared-memory plane the push takes a pooled segment (worker/kv_transfer/shm.py), offers it at
+Prepare with a random probe written into it, and, if the receiver read the probe back (it runs on
+this host, as this user), writes each chunk into the segment and sends the same chunk messages with
+an offset instead of the bytes. Everything else (streams, checksums, faults, Commit, Abort) is the
+same on both planes; another plane (CUDA IPC, RDMA) would be one more way `_frames` places a chunk's
+bytes and Prepare negotiates it.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +40,7 @@ from worker.kv_transfer.ids import check_request_id, check_transfer_id
 from worker.kv_transfer.interfaces import TransferOutcome, TransferPartsSource, TransferSource
 from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
+from worker.kv_transfer.shm import PROBE_BYTES, Segment, SegmentPool, ShmError
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +93,10 @@ class KvSender:
         security: TransportSecurity | None = None,
         faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shm_tag: str = "0",
     ) -> None:
+        """`shm_tag` names this cluster in shared-memory segment names, so that the launcher can sweep
+        them when the cluster stops (worker/kv_transfer/shm.py)."""
         self._config = config or SenderConfig()
         self._security = security or TransportSecurity()
         self._faults = faults
@@ -92,13 +105,41 @@ class KvSender:
         self._lock = threading.Lock()
         self._connections: OrderedDict[str, _Connections] = OrderedDict()
         self._closed = False
+        self._shm_tag = shm_tag
+        self._shm_pool: SegmentPool | None = None
+        self._shm_problem: str | None = None  # why this sender has no pool (it is not retried)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             connections, self._connections = list(self._connections.values()), OrderedDict()
+            pool = self._shm_pool
         for connection in connections:
             connection.close()
+        if pool is not None:
+            pool.close()
+
+    def shm_pool(self) -> SegmentPool:
+        """The shared-memory segment pool, created on first use; ShmError if there cannot be one."""
+        with self._lock:
+            if self._shm_pool is not None:
+                return self._shm_pool
+            if self._shm_problem is not None:
+                raise ShmError(self._shm_problem)
+            if self._closed:
+                raise ShmError("KvSender is closed")
+            config = self._config
+            try:
+                self._shm_pool = SegmentPool(
+                    tag=self._shm_tag,
+                    max_idle_bytes=config.shm_pool_bytes,
+                    max_segment_bytes=config.shm_max_segment_bytes,
+                    min_free_bytes=config.shm_min_free_bytes,
+                )
+            except (OSError, ValueError) as error:
+                self._shm_problem = f"no shared-memory pool: {error}"
+                raise ShmError(self._shm_problem) from error
+            return self._shm_pool
 
     def __enter__(self) -> KvSender:
         return self
@@ -172,9 +213,12 @@ class KvSender:
             chunks_sent=run.chunks_sent,
             num_streams=run.num_streams,
             elapsed_s=self._clock() - started_s,
+            data_plane=run.data_plane,
         )
         if failure is None:
-            logger.debug("pushed transfer %s: %d bytes in %.3f s", transfer_id, outcome.bytes_sent, outcome.elapsed_s)
+            logger.debug(
+                "pushed transfer %s: %d bytes in %.3f s over %s", transfer_id, outcome.bytes_sent, outcome.elapsed_s, run.data_plane
+            )
         else:
             logger.warning("push of transfer %s (request %s) failed: %s", transfer_id, request_id, failure)
         return outcome
@@ -208,6 +252,14 @@ class _PushRun:
         self.bytes_sent = 0
         self.num_streams = 0
         self.checksum_algorithm = 0  # negotiated at Prepare
+        self.data_plane = "grpc"
+        # The shared-memory segment of this push, while offered or in use. It goes back to the pool
+        # only when no stream thread writes into it: writers register under the condition's lock
+        # and check `finished` there, which is set before the release.
+        self._shm_cond = threading.Condition()
+        self._shm_writers = 0
+        self._shm_segment: Segment | None = None
+        self._shm_offsets: dict[int, int] = {}  # chunk sequence -> byte offset in the segment
         self._read_parts = source.read_parts if isinstance(source, TransferPartsSource) else None
         # Finished stream calls, and None whenever a local failure is set.
         self._done: queue.Queue[grpc.Future | None] = queue.Queue()
@@ -249,7 +301,34 @@ class _PushRun:
             failure = self._execute(connections)
         finally:
             self.finished.set()
+            self._release_segment()
         return failure
+
+    def _offer_shm(self) -> pb.KvShmOffer | TransferFailure | None:
+        """Take a segment for this push and write the probe; None (or a failure when the plane is
+        forced) when shared memory cannot be used from this side."""
+        source = self.source
+        size_bytes = source.layout.run_bytes(source.layout.num_layers, source.num_blocks)
+        try:
+            segment = self.sender.shm_pool().acquire(size_bytes)
+        except ShmError as error:
+            if self.sender._config.data_plane == "shm":
+                return TransferFailure(FailureReason.INCOMPATIBLE, f"shared memory unavailable: {error}")
+            logger.debug("transfer %s goes over gRPC: %s", self.transfer_id, error)
+            return None
+        probe = secrets.token_bytes(PROBE_BYTES)
+        segment.write(0, (probe,))
+        with self._shm_cond:
+            self._shm_segment = segment
+        return pb.KvShmOffer(segment=segment.name, probe_offset=0, probe=probe)
+
+    def _release_segment(self) -> None:
+        """Back to the pool, once no stream thread writes it."""
+        with self._shm_cond:
+            segment, self._shm_segment = self._shm_segment, None
+            self._shm_cond.wait_for(lambda: self._shm_writers == 0)
+        if segment is not None:
+            self.sender.shm_pool().release(segment)
 
     def _execute(self, connections: _Connections) -> TransferFailure | None:
         metadata = self.sender._metadata
@@ -257,6 +336,9 @@ class _PushRun:
         config = self.sender._config
         if self.remaining_s() <= 0:
             return TransferFailure(FailureReason.DEADLINE_EXCEEDED, "deadline passed before prepare")
+        offer = self._offer_shm() if config.data_plane != "grpc" else None
+        if isinstance(offer, TransferFailure):
+            return offer  # nothing opened on the receiver: its reservation's timeout releases it
         request = pb.KvPrepareRequest(
             transfer_id=self.transfer_id,
             request_id=self.request_id,
@@ -266,6 +348,7 @@ class _PushRun:
             max_chunk_bytes=config.max_chunk_bytes,
             timeout_s=self.remaining_s(),
             checksum_algorithms=config.checksum_algorithm_values,
+            shm_offer=offer,
         )
         try:
             answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
@@ -295,6 +378,18 @@ class _PushRun:
             chunks = plan_chunks(source.layout, source.num_blocks, chunk_bytes)
         except ChunkPlanError as error:
             return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, str(error)))
+        if answer.data_plane == pb.DATA_PLANE_SHM and offer is not None:
+            self.data_plane = "shm"
+            offset = 0
+            for spec in chunks:
+                self._shm_offsets[spec.sequence] = offset
+                offset += spec.size_bytes(source.layout)
+        elif config.data_plane == "shm":
+            return self._fail(
+                connections, TransferFailure(FailureReason.INCOMPATIBLE, "the receiver cannot read this host's shared memory")
+            )
+        else:
+            self._release_segment()
         streams = assign_streams(chunks, min(config.num_streams, max(answer.max_streams, 1)))
         self.num_streams = len(streams)
 
@@ -401,6 +496,26 @@ class _PushRun:
             return self._read_parts(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end)
         return (self.source.read(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end),)
 
+    def _write_shm(self, offset: int, parts: Sequence[memoryview | bytes | bytearray]) -> bool:
+        """Place a chunk's bytes in the segment; False when the stream must end (the push is over, or
+        the write failed and became the push's local failure)."""
+        with self._shm_cond:
+            segment = self._shm_segment
+            if segment is None or self.finished.is_set():
+                return False
+            self._shm_writers += 1
+        try:
+            segment.write(offset, parts)
+            return True
+        except Exception as error:  # a bug here fails this transfer, not the gRPC thread
+            logger.exception("writing transfer %s into shared memory failed", self.transfer_id)
+            self._set_local_failure(TransferFailure(FailureReason.INTERNAL, f"shared-memory write failed: {error}"))
+            return False
+        finally:
+            with self._shm_cond:
+                self._shm_writers -= 1
+                self._shm_cond.notify_all()
+
     def _frames(self, chunks: tuple[ChunkSpec, ...]) -> Iterator[bytes]:
         """The encoded chunks of one stream, with the sender-side faults applied. Runs in a gRPC
         thread: it never raises (a source error becomes the push's local failure and ends the stream)."""
@@ -450,7 +565,14 @@ class _PushRun:
                 damaged[len(damaged) // 2] ^= 0xFF
                 parts = (damaged,)
             header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
-            frame = codec.encode_chunk_parts(header, parts)
+            if self.data_plane == "shm":
+                offset = self._shm_offsets[spec.sequence]
+                if not self._write_shm(offset, parts):
+                    return
+                header.shm.offset = offset
+                frame = codec.encode_chunk(header, b"")
+            else:
+                frame = codec.encode_chunk_parts(header, parts)
             with self._lock:
                 self.chunks_sent += 1
                 self.bytes_sent += size_bytes
