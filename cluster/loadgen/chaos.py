@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -56,6 +56,7 @@ from cluster.loadgen.chaos_plan import (
 )
 from cluster.loadgen.chaos_report import KillRecord, SoakReport, build_report, was_recovered
 from cluster.loadgen.metrics import RequestRecord
+from worker.kv_transfer import shm
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +329,7 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
 
         illegal_faulty, transfers = _router_counters(faulty)
         illegal_clean, _ = _router_counters(clean)
-        return build_report(
+        report = build_report(
             config,
             records,
             replayed,
@@ -352,3 +353,5 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
             import ray  # see _Killer.kill
 
             ray.shutdown()
+    # Killed instances never closed their senders: the stop's sweep must have removed their segments.
+    return replace(report, shm_segments_left=len(shm.segments(faulty.deployment.deployment_id)))
