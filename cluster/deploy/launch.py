@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,10 +236,7 @@ class Deployment:
         closed, so their senders' segments stay behind; their owners' exits are awaited (bounded:
         ray.kill returns before the process is gone) so that none creates one after the sweep.
         Other hosts' segments go when a restarted instance's pool sweeps its dead predecessors'."""
-        deadline_s = time.monotonic() + wait_s
-        while shm.live_owners(self.deployment_id) and time.monotonic() < deadline_s:
-            time.sleep(0.05)
-        removed = shm.sweep(self.deployment_id)
+        removed = shm.sweep_when_owners_exit(self.deployment_id, wait_s)
         if removed:
             logger.info("removed %d shared-memory segment(s) of deployment %s", len(removed), self.deployment_id)
         return removed

@@ -24,7 +24,13 @@ SEEDED = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=77, ignor
 
 
 def make_instance(
-    instance_id: str, role: InstanceRole, faults=None, num_blocks: int = 256, device: str = "cpu", dtype: str = "float32"
+    instance_id: str,
+    role: InstanceRole,
+    faults=None,
+    num_blocks: int = 256,
+    device: str = "cpu",
+    dtype: str = "float32",
+    data_plane: str = "auto",
 ) -> Instance:
     spec = InstanceSpec(
         instance_id,
@@ -34,8 +40,8 @@ def make_instance(
         cluster_token=TOKEN,
         torch_threads=1,
         faults=faults,
-        sender={"max_chunk_bytes": 64 * 1024},
-        receiver={"max_chunk_bytes": 64 * 1024},
+        sender={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
+        receiver={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
     )
     return Instance(spec)
 
@@ -57,11 +63,12 @@ class Cluster:
         config: RouterConfig | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        data_plane: str = "auto",
     ):
         if config is None and InstanceRole.PREFILL not in roles.values():
             config = router_config(placement={"disaggregation": "never"})
         self.instances = {
-            name: make_instance(name, role, (faults or {}).get(name), device=device, dtype=dtype)
+            name: make_instance(name, role, (faults or {}).get(name), device=device, dtype=dtype, data_plane=data_plane)
             for name, role in roles.items()
         }
         self.clients = {name: LocalInstanceClient(inst) for name, inst in self.instances.items()}

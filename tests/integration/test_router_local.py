@@ -1,6 +1,7 @@
 """The router with real engines in this process (no Ray): the disaggregated flow, recovery, aborts.
 
-Instances talk KV over real gRPC on 127.0.0.1; the router drives them through LocalInstanceClient.
+Instances talk KV over real gRPC on 127.0.0.1 (bytes over gRPC streams or shared memory, both in
+this process); the router drives them through LocalInstanceClient.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from worker.sampling import SamplingParams
 from worker.tokenizer import ByteTokenizer
 
 
+@pytest.mark.parametrize("data_plane", ["grpc", "shm"])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_disaggregated_equals_colocated(params) -> None:
+def test_disaggregated_equals_colocated(params, data_plane) -> None:
     async def scenario():
         async with Cluster({"m0": InstanceRole.MIXED}) as colocated_cluster:
             colocated = [await colocated_cluster.run(p, params) for p in PROMPTS[:8]]
-        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}) as disagg_cluster:
+        # "shm" is forced: a hand-over that could not use shared memory would fail, not fall back.
+        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, data_plane=data_plane) as disagg_cluster:
             results = await asyncio.gather(*(disagg_cluster.run(p, params) for p in PROMPTS[:8]))
             free = await disagg_cluster.free_blocks_settle()
             assert disagg_cluster.router.inconsistent_reports == 0

@@ -29,6 +29,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,6 +361,16 @@ def sweep(tag: str, directory: Path = SHM_DIRECTORY, *, only_dead_owners: bool =
     if removed:
         logger.info("removed %d shared-memory segment(s) of tag %s", len(removed), tag)
     return removed
+
+
+def sweep_when_owners_exit(tag: str, wait_s: float, directory: Path = SHM_DIRECTORY) -> list[str]:
+    """Wait (at most `wait_s`) until no owner of a `tag` segment is alive, then sweep them all: what
+    a launcher does after killing its instances (a kill returns before the process is gone, and a
+    live owner could still create a segment after the sweep)."""
+    deadline_s = time.monotonic() + wait_s
+    while live_owners(tag, directory) and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    return sweep(tag, directory)
 
 
 def owners(tag: str, directory: Path = SHM_DIRECTORY) -> set[int]:
