@@ -50,7 +50,7 @@ from worker.kv_transfer.registry import (
     TransferRegistry,
     TransferState,
 )
-from worker.kv_transfer.shm import PROBE_BYTES, SegmentReader, ShmError, copy_out
+from worker.kv_transfer.shm import PROBE_BYTES, ScratchBuffers, SegmentReader, ShmError, copy_into, copy_out
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class KvTransferServer:
         )
         self._prepare_lock = threading.Lock()
         self._segments = SegmentReader(max_mapped=self._config.shm_max_mapped)
+        self._scratch = ScratchBuffers()  # per Push-stream thread: copies out of segments land here
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self._reaper: threading.Thread | None = None
@@ -439,16 +440,25 @@ class KvTransferServer:
         failure: TransferFailure | None = None
         data = chunk.data
         try:
+            views = None
             if in_shm:
                 # Copied out first, verified on the copy: the sender can still write the segment.
-                data = copy_out(record.shm_segment, header.shm.offset, data_length)
-            actual = codec.checksum(data, record.checksum_algorithm)
+                target = record.target
+                views_of = getattr(target, "views", None)  # a TransferViewsTarget
+                views = views_of(header.layer_start, header.layer_end, header.block_start, header.block_end) if views_of else None
+                if views is not None:
+                    copy_into(record.shm_segment, header.shm.offset, views)
+                    actual = codec.checksum_parts(views, record.checksum_algorithm)
+                else:
+                    data = copy_out(record.shm_segment, header.shm.offset, data_length, self._scratch.get(data_length))
+            if views is None:
+                actual = codec.checksum(data, record.checksum_algorithm)
             if actual != header.checksum:
                 failure = TransferFailure(
                     FailureReason.CHECKSUM_MISMATCH,
                     f"chunk {header.sequence}: checksum {actual:#x}, header says {header.checksum:#x}",
                 )
-            else:
+            elif views is None:
                 record.target.write(header.layer_start, header.layer_end, header.block_start, header.block_end, data)
         except TransferRejected as rejected:
             failure = rejected.failure

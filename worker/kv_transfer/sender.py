@@ -496,9 +496,13 @@ class _PushRun:
             return self._read_parts(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end)
         return (self.source.read(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end),)
 
-    def _write_shm(self, offset: int, parts: Sequence[memoryview | bytes | bytearray]) -> bool:
-        """Place a chunk's bytes in the segment; False when the stream must end (the push is over, or
-        the write failed and became the push's local failure)."""
+    def _write_shm(
+        self, offset: int, parts: Sequence[memoryview | bytes | bytearray], size_bytes: int, *, corrupt: bool
+    ) -> int | None:
+        """Place a chunk's bytes in the segment and return their checksum, taken from the segment
+        right after the copy (the bytes are then in cache: one read of the source instead of two);
+        None when the stream must end (the push is over, or the write failed and became the push's
+        local failure). `corrupt` (fault injection) damages the bytes after the checksum."""
         with self._shm_cond:
             segment = self._shm_segment
             if segment is None or self.finished.is_set():
@@ -506,11 +510,15 @@ class _PushRun:
             self._shm_writers += 1
         try:
             segment.write(offset, parts)
-            return True
+            placed = segment.array[offset : offset + size_bytes]
+            data_checksum = codec.checksum(placed, self.checksum_algorithm)
+            if corrupt:
+                placed[size_bytes // 2] ^= 0xFF
+            return data_checksum
         except Exception as error:  # a bug here fails this transfer, not the gRPC thread
             logger.exception("writing transfer %s into shared memory failed", self.transfer_id)
             self._set_local_failure(TransferFailure(FailureReason.INTERNAL, f"shared-memory write failed: {error}"))
-            return False
+            return None
         finally:
             with self._shm_cond:
                 self._shm_writers -= 1
@@ -559,19 +567,21 @@ class _PushRun:
                 # receiver records INTERNAL rather than a cut-off stream.
                 self.finished.wait(max(self.remaining_s(), 0.0))
                 return
-            data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
-            if chunk_faults.corrupt:
-                damaged = bytearray(b"".join(parts))
-                damaged[len(damaged) // 2] ^= 0xFF
-                parts = (damaged,)
-            header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
             if self.data_plane == "shm":
                 offset = self._shm_offsets[spec.sequence]
-                if not self._write_shm(offset, parts):
+                data_checksum = self._write_shm(offset, parts, size_bytes, corrupt=chunk_faults.corrupt)
+                if data_checksum is None:
                     return
+                header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
                 header.shm.offset = offset
                 frame = codec.encode_chunk(header, b"")
             else:
+                data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
+                if chunk_faults.corrupt:
+                    damaged = bytearray(b"".join(parts))
+                    damaged[len(damaged) // 2] ^= 0xFF
+                    parts = (damaged,)
+                header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
                 frame = codec.encode_chunk_parts(header, parts)
             with self._lock:
                 self.chunks_sent += 1

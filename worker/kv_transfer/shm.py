@@ -31,6 +31,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -311,13 +312,43 @@ class SegmentReader:
             self._mapped.clear()
 
 
-def copy_out(mapped: _Mapping, offset: int, length: int) -> memoryview:
-    """A private copy of [offset, offset + length) of a mapped segment (GIL released)."""
+class ScratchBuffers:
+    """One reusable buffer per thread for copies out of segments: a fresh allocation per chunk would
+    be faulted in page by page, at a fraction of memcpy speed, on every chunk."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, length: int) -> np.ndarray:
+        buffer: np.ndarray | None = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.size < length:
+            buffer = np.ones(length, dtype=np.uint8)  # written once here: faulted in now, not per chunk
+            self._local.buffer = buffer
+        return buffer[:length]
+
+
+def copy_out(mapped: _Mapping, offset: int, length: int, into: np.ndarray | None = None) -> memoryview:
+    """A private copy of [offset, offset + length) of a mapped segment, in `into` (exactly `length`
+    bytes) or a new buffer; the copy releases the GIL."""
     if offset < 0 or length < 0 or offset + length > mapped.size_bytes:
         raise ShmError(f"range [{offset}, {offset + length}) outside segment {mapped.name} of {mapped.size_bytes} bytes")
-    copy = np.empty(length, dtype=np.uint8)
+    copy = np.empty(length, dtype=np.uint8) if into is None else into
     np.copyto(copy, mapped.array[offset : offset + length])
     return memoryview(copy).cast("B")
+
+
+def copy_into(mapped: _Mapping, offset: int, views: Sequence[memoryview]) -> int:
+    """Copy the segment's bytes from `offset` into `views` one after another (GIL released);
+    returns the bytes copied."""
+    position = offset
+    for view in views:
+        destination = np.frombuffer(view, dtype=np.uint8)
+        end = position + destination.size
+        if end > mapped.size_bytes:
+            raise ShmError(f"range [{offset}, {end}) outside segment {mapped.name} of {mapped.size_bytes} bytes")
+        np.copyto(destination, mapped.array[position:end])
+        position = end
+    return position - offset
 
 
 def segments(tag: str | None = None, directory: Path = SHM_DIRECTORY) -> list[str]:
