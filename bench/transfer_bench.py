@@ -351,13 +351,28 @@ def latency_table(
     return table
 
 
-def shm_throughput_gbps(receiver: ReceiverProcess, sender: KvSender, source: LinearKvBuffer, repetitions: int) -> float:
-    """Median GB/s of whole pushes over shared memory (one untimed push first: the pool's segment
-    is then pre-faulted and the receiver's mapping made)."""
-    times = [
-        _timed_push(receiver, sender, source, "shm", f"shm-{repetition}") for repetition in range(repetitions + 1)
-    ][1:]
-    return source.size_bytes / statistics.median(times) / 1e9
+def shm_throughput(
+    receiver: ReceiverProcess, sender: KvSender, source: LinearKvBuffer, repetitions: int
+) -> tuple[float, float, list[float]]:
+    """(median GB/s of whole pushes over shared memory, median GB/s of a hot single-thread memcpy of
+    the same bytes, per-repetition ratios). Each push is followed by one memcpy, so that the
+    machine's load hits both alike; one untimed round first pre-faults the pool's segment, the
+    receiver's mapping and the memcpy's buffers."""
+    destination = bytearray(source.size_bytes)
+    copy_source = bytearray(source.view)
+    view = memoryview(destination)
+    push_times, copy_times = [], []
+    for repetition in range(repetitions + 1):
+        push_s = _timed_push(receiver, sender, source, "shm", f"shm-{repetition}")
+        start = time.perf_counter()
+        view[:] = copy_source
+        copy_s = time.perf_counter() - start
+        if repetition:
+            push_times.append(push_s)
+            copy_times.append(copy_s)
+    size = source.size_bytes
+    ratios = [copy_s / push_s for push_s, copy_s in zip(push_times, copy_times, strict=True)]
+    return size / statistics.median(push_times) / 1e9, size / statistics.median(copy_times) / 1e9, ratios
 
 
 def data_plane_section(
@@ -373,9 +388,8 @@ def data_plane_section(
     with receiver, KvSender(sender_config) as grpc_sender, KvSender(shm_config, shm_tag="bench") as shm_sender:
         progress(f"data planes: one transfer of each size, p50 of {repetitions}")
         table = latency_table(receiver, {"grpc": grpc_sender, "shm": shm_sender}, sender_config, repetitions)
-        throughput_repetitions = 3 if quick else 7
-        shm_gbps = shm_throughput_gbps(receiver, shm_sender, source, throughput_repetitions)
-    copy_gbps = memcpy_gbps(source.size_bytes, throughput_repetitions)
+        shm_gbps, copy_gbps, ratios = shm_throughput(receiver, shm_sender, source, 3 if quick else 7)
+    ratio = statistics.median(ratios)
     print()
     print(f"One transfer, p50 ms of {repetitions} (duet through KvSender and KvTransferServer; the same bytes bare):")
     print_table(
@@ -393,8 +407,9 @@ def data_plane_section(
         ["shared memory, one transfer", "GB/s"],
         [
             (f"duet shm transfer of {source.size_bytes / MIB:.0f} MiB", shm_gbps),
-            ("hot single-thread memcpy (bytearray slice copy)", copy_gbps),
-            (f"ratio (target >= {SHM_TARGET_RATIO})", shm_gbps / copy_gbps),
+            ("hot single-thread memcpy (bytearray slice copy, after each push)", copy_gbps),
+            (f"ratio, median per repetition (target >= {SHM_TARGET_RATIO})", ratio),
+            ("ratio, per-repetition range", f"{min(ratios):.3f} - {max(ratios):.3f}"),
         ],
     )
     target_row = table[str(LATENCY_TARGET_SIZE_BYTES)]
@@ -403,10 +418,11 @@ def data_plane_section(
         "latency_repetitions": repetitions,
         "shm_gbps": round(shm_gbps, 4),
         "shm_memcpy_gbps": round(copy_gbps, 4),
-        "ratio_shm_vs_memcpy": round(shm_gbps / copy_gbps, 4),
+        "ratio_shm_vs_memcpy": round(ratio, 4),
+        "ratio_shm_vs_memcpy_range": [round(min(ratios), 4), round(max(ratios), 4)],
     }
     targets = {
-        "ratio_shm_vs_memcpy": Target(shm_gbps / copy_gbps, SHM_TARGET_RATIO, higher_is_better=True),
+        "ratio_shm_vs_memcpy": Target(ratio, SHM_TARGET_RATIO, higher_is_better=True),
         "latency_4mib_grpc_ms": Target(target_row["grpc"], round(target_row["bare"] + LATENCY_TARGET_EXTRA_MS, 3), higher_is_better=False),
         "latency_4mib_shm_ms": Target(target_row["shm"], round(target_row["bare"] + LATENCY_TARGET_EXTRA_MS, 3), higher_is_better=False),
     }

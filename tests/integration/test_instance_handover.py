@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.default_model import margin_corpus
-from worker.kv_transfer import shm
 from worker.engine_types import EngineConfig
+from worker.kv_transfer import shm
 from worker.kv_transfer.failures import FailureReason
 from worker.protocol import (
     Abort,

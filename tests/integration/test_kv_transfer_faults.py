@@ -13,11 +13,11 @@ import msgspec
 import pytest
 
 from worker.kv_layout import KvLayout
+from worker.kv_transfer import shm
 from worker.kv_transfer.buffers import LinearKvBuffer
 from worker.kv_transfer.config import SenderConfig
 from worker.kv_transfer.failures import FailureReason
 from worker.kv_transfer.faults import FaultInjector
-from worker.kv_transfer import shm
 from worker.kv_transfer.ids import new_transfer_id
 from worker.kv_transfer.sender import KvSender
 from worker.kv_transfer.testing import ReceiverProcess

@@ -108,7 +108,7 @@ def test_concurrent_pushes_take_separate_segments(receiver: ReceiverProcess) -> 
     with KvSender(SenderConfig(data_plane="shm", max_chunk_bytes=64 * KIB), shm_tag=TAG) as sender:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda seed: _push(receiver, sender, 17 + seed, 10 + seed), range(8)))
-        for outcome, result, data, source in results:
+        for outcome, _, data, source in results:
             assert outcome.ok and outcome.data_plane == "shm", outcome.failure
             assert data == bytes(source.view)
         assert sender.shm_pool().stats().in_use == 0
