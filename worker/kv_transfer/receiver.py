@@ -438,27 +438,17 @@ class KvTransferServer:
         if admission is Admission.DUPLICATE:
             return admission
         failure: TransferFailure | None = None
-        data = chunk.data
         try:
-            views = None
             if in_shm:
-                # Copied out first, verified on the copy: the sender can still write the segment.
-                target = record.target
-                views_of = getattr(target, "views", None)  # a TransferViewsTarget
-                views = views_of(header.layer_start, header.layer_end, header.block_start, header.block_end) if views_of else None
-                if views is not None:
-                    copy_into(record.shm_segment, header.shm.offset, views)
-                    actual = codec.checksum_parts(views, record.checksum_algorithm)
-                else:
-                    data = copy_out(record.shm_segment, header.shm.offset, data_length, self._scratch.get(data_length))
-            if views is None:
-                actual = codec.checksum(data, record.checksum_algorithm)
+                data, actual = self._copy_from_segment(record, header, data_length)
+            else:
+                data, actual = chunk.data, codec.checksum(chunk.data, record.checksum_algorithm)
             if actual != header.checksum:
                 failure = TransferFailure(
                     FailureReason.CHECKSUM_MISMATCH,
                     f"chunk {header.sequence}: checksum {actual:#x}, header says {header.checksum:#x}",
                 )
-            elif views is None:
+            elif data is not None:
                 record.target.write(header.layer_start, header.layer_end, header.block_start, header.block_end, data)
         except TransferRejected as rejected:
             failure = rejected.failure
@@ -470,6 +460,21 @@ class KvTransferServer:
         finally:
             self._registry.finish_write(record, data_length)
         return failure if failure is not None else admission
+
+    def _copy_from_segment(
+        self, record: TransferRecord, header: pb.KvChunkHeader, length: int
+    ) -> tuple[memoryview | None, int]:
+        """Copy a shared-memory chunk out of the sender's segment and checksum the copy (the sender
+        can still write the segment; its checksum covers what it wrote). A TransferViewsTarget gets
+        the bytes straight into its storage (returns None: nothing left to write); otherwise they go
+        to this thread's scratch buffer, returned for `write`."""
+        views_of = getattr(record.target, "views", None)
+        views = views_of(header.layer_start, header.layer_end, header.block_start, header.block_end) if views_of else None
+        if views is not None:
+            copy_into(record.shm_segment, header.shm.offset, views)
+            return None, codec.checksum_parts(views, record.checksum_algorithm)
+        data = copy_out(record.shm_segment, header.shm.offset, length, self._scratch.get(length))
+        return data, codec.checksum(data, record.checksum_algorithm)
 
     def _apply_faults(self, record: TransferRecord, faults: Any) -> TransferFailure | None | bool:
         """Receiver-side faults; True: go on handling the chunk."""
