@@ -71,9 +71,12 @@ def test_each_plane_delivers_identical_bytes(receiver: ReceiverProcess, plane: s
 
 def test_auto_falls_back_to_grpc_when_the_receiver_refuses_shared_memory(grpc_only_receiver: ReceiverProcess) -> None:
     with KvSender(SenderConfig(data_plane="auto"), shm_tag=TAG) as sender:
-        outcome, result, data, source = _push(grpc_only_receiver, sender, 9, 1)
-    assert outcome.ok and outcome.data_plane == "grpc"
-    assert data == bytes(source.view)
+        for seed in (1, 2):
+            outcome, _, data, source = _push(grpc_only_receiver, sender, 9, seed)
+            assert outcome.ok and outcome.data_plane == "grpc"
+            assert data == bytes(source.view)
+        # Declined once (as a receiver on another host would): the second push offered nothing.
+        assert sender.shm_pool().stats().created == 1 and sender.shm_pool().stats().reused == 0
 
 
 def test_auto_falls_back_to_grpc_when_dev_shm_is_too_small(receiver: ReceiverProcess) -> None:

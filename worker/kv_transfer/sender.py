@@ -63,6 +63,9 @@ class _Connections:
 
     def __init__(self, channels: list[grpc.Channel]) -> None:
         self.channels = channels
+        # The receiver declined a shared-memory offer (another host, or gRPC only): later pushes to
+        # it take no segment from the pool for an offer it would decline again.
+        self.shm_declined = False
         first = channels[0]
         self.prepare = first.unary_unary(
             _PREPARE, request_serializer=pb.KvPrepareRequest.SerializeToString, response_deserializer=pb.KvPrepareResponse.FromString
@@ -336,7 +339,8 @@ class _PushRun:
         config = self.sender._config
         if self.remaining_s() <= 0:
             return TransferFailure(FailureReason.DEADLINE_EXCEEDED, "deadline passed before prepare")
-        offer = self._offer_shm() if config.data_plane != "grpc" else None
+        wants_shm = config.data_plane == "shm" or (config.data_plane == "auto" and not connections.shm_declined)
+        offer = self._offer_shm() if wants_shm else None
         if isinstance(offer, TransferFailure):
             return offer  # nothing opened on the receiver: its reservation's timeout releases it
         request = pb.KvPrepareRequest(
@@ -389,6 +393,8 @@ class _PushRun:
                 connections, TransferFailure(FailureReason.INCOMPATIBLE, "the receiver cannot read this host's shared memory")
             )
         else:
+            if offer is not None:
+                connections.shm_declined = True
             self._release_segment()
         streams = assign_streams(chunks, min(config.num_streams, max(answer.max_streams, 1)))
         self.num_streams = len(streams)
