@@ -512,7 +512,7 @@ class _PushRun:
         with self._shm_cond:
             segment = self._shm_segment
             if segment is None or self.finished.is_set():
-                return False
+                return None
             self._shm_writers += 1
         try:
             segment.write(offset, parts)
