@@ -305,6 +305,7 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
         except DeploymentError as error:
             raise SoakError(f"cannot deploy: {error}") from None
         vocab_size = faulty.router.vocab_size
+        shm_tag = faulty.deployment.deployment_id  # the cluster is gone once stopped
         requests = make_requests(config, vocab_size)
         plan = faulty_config.faults or {}
         planned = planned_faults(plan, requests)
@@ -354,4 +355,4 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
 
             ray.shutdown()
     # Killed instances never closed their senders: the stop's sweep must have removed their segments.
-    return replace(report, shm_segments_left=len(shm.segments(faulty.deployment.deployment_id)))
+    return replace(report, shm_segments_left=len(shm.segments(shm_tag)))
