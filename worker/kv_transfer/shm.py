@@ -17,6 +17,13 @@ Nothing is left behind: a sender unlinks its segments when it closes; after a SI
 segments stay until `sweep` removes them (the launcher sweeps its cluster's tag when the cluster
 stops; a new pool sweeps its tag's segments whose owner process is dead). A killed receiver holds
 only mappings, which the kernel drops with the process.
+
+Trust: only processes of the cluster's user can open a segment (0600, and the receiver refuses a
+file that is not its user's private regular file), and a name alone, guessed or not, grants nothing
+to anyone else. A process of that same user that truncated a segment while a receiver copies from
+it would crash the receiver with SIGBUS (such a process can also kill it outright, so this adds no
+privilege, but a bug could do it); a memfd sealed against shrinking (F_SEAL_SHRINK) and passed as a
+file descriptor would close that gap, at the price of a unix-socket hand-off per segment.
 """
 
 from __future__ import annotations
