@@ -54,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
+import msgspec  # noqa: E402
 import xxhash  # noqa: E402
 
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
@@ -67,6 +68,13 @@ from worker.kv_transfer.testing import BARE_GRPC_METHOD, ReceiverProcess  # noqa
 
 BENCH = "transfer"
 TARGET_RATIO = 0.75
+# One transfer's latency: duet's p50 may exceed the bare gRPC stream's by this much (Prepare and
+# Commit round trips, checksums, the receiver's copies).
+LATENCY_SIZES_BYTES = (64 * 1024, 1 * MIB, 4 * MIB, 16 * MIB)
+LATENCY_TARGET_SIZE_BYTES = 4 * MIB
+LATENCY_TARGET_EXTRA_MS = 2.0
+# The shared-memory plane's 256 MiB throughput against one hot single-thread memcpy.
+SHM_TARGET_RATIO = 0.35
 RAW_TCP_PIECE_BYTES = 4 * MIB
 CHECKSUMS = {"xxh3_64": ("XXH3_64",), "crc32": ("CRC32",)}
 
@@ -149,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-tune-malloc", action="store_true", help="keep glibc's malloc defaults (worker/kv_transfer/malloc_tuning.py)"
     )
+    parser.add_argument("--no-planes", action="store_true", help="skip the data-plane latency table and shm throughput")
+    parser.add_argument("--latency-repetitions", type=int, default=None, help="timed transfers per size (default 20, quick 5)")
     args = parser.parse_args(argv)
     tuned = not args.no_tune_malloc and tune_malloc_for_transfers().applied
     size_mib = args.size_mib or (32 if args.quick else 256)
@@ -169,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         num_connections=args.connections,
         max_chunk_bytes=chunk_bytes,
         checksum_algorithms=CHECKSUMS[args.checksum],
+        data_plane="grpc",  # this table is the gRPC plane against raw TCP; shared memory is measured below
     )
     receiver = ReceiverProcess(
         config={"max_chunk_bytes": max(chunk_bytes, 64 * 1024), "max_streams_per_transfer": max(args.streams, 1)},
@@ -268,8 +279,154 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_bare_grpc_vs_raw_tcp": round(bare_ratio, 4),
         "ratio_grpc_vs_bare_grpc": round(duet_gbps / bare_gbps, 4),
     }
-    emit_result(BENCH, figures, {"ratio_grpc_vs_raw_tcp": Target(ratio, TARGET_RATIO, higher_is_better=True)})
+    targets = {"ratio_grpc_vs_raw_tcp": Target(ratio, TARGET_RATIO, higher_is_better=True)}
+    if not args.no_planes:
+        plane_figures, plane_targets = data_plane_section(
+            source, sender_config, tuned, quick=args.quick, latency_repetitions=args.latency_repetitions
+        )
+        figures.update(plane_figures)
+        targets.update(plane_targets)
+    emit_result(BENCH, figures, targets)
     return 0
+
+
+def _latency_source(size_bytes: int) -> LinearKvBuffer:
+    """A request of exactly `size_bytes`: 8 layers of 8 KiB per (layer, block), 64 KiB per block."""
+    layout = KvLayout(
+        num_layers=8, num_kv_heads=2, head_dim=64, tokens_per_block=16, dtype="bfloat16", model_fingerprint="bench-latency"
+    )
+    return make_source(layout, size_bytes // layout.run_bytes(layout.num_layers, 1), seed=size_bytes)
+
+
+def _p50_ms(times_s: list[float]) -> float:
+    return statistics.median(times_s) * 1e3
+
+
+def _timed_push(receiver: ReceiverProcess, sender: KvSender, source: LinearKvBuffer, plane: str, label: str) -> float:
+    """One push through the real sender and receiver (the reservation and the check are not timed)."""
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, label, source.layout, source.num_blocks)
+    start = time.perf_counter()
+    outcome = sender.push(receiver.address, transfer_id, label, source, deadline_s=120.0)
+    elapsed_s = time.perf_counter() - start
+    if not outcome.ok or outcome.data_plane != plane:
+        raise RuntimeError(f"{plane} push failed or took another plane: {outcome}")
+    result = receiver.result(transfer_id, wait_s=10.0)
+    if result.state != "COMMITTED" or result.crc32 != zlib.crc32(source.view):
+        raise RuntimeError(f"{plane} push: receiver state {result.state}, wrong bytes")
+    receiver.release(transfer_id)
+    return elapsed_s
+
+
+def latency_table(
+    receiver: ReceiverProcess, senders: dict[str, KvSender], sender_config: SenderConfig, repetitions: int
+) -> dict[str, dict[str, float]]:
+    """p50 milliseconds of one transfer per size: duet on each plane, bare gRPC and raw TCP of the
+    same bytes, interleaved per repetition so that load hits them alike."""
+    table: dict[str, dict[str, float]] = {}
+    chunk_bytes = sender_config.max_chunk_bytes
+    for size_bytes in LATENCY_SIZES_BYTES:
+        source = _latency_source(size_bytes)
+        raw_port = receiver.start_raw_tcp_sink(size_bytes)
+        bare_port = receiver.start_bare_grpc_sink(size_bytes, chunk_bytes)
+        bare = BareGrpc(f"127.0.0.1:{bare_port}", source.view, chunk_bytes, sender_config.num_streams, sender_config.num_connections)
+        times: dict[str, list[float]] = {name: [] for name in (*senders, "bare", "raw")}
+        try:
+            with socket.create_connection(("127.0.0.1", raw_port)) as raw:
+                raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for repetition in range(repetitions + 2):  # two untimed rounds warm pools and connections
+                    for plane, sender in senders.items():
+                        elapsed_s = _timed_push(receiver, sender, source, plane, f"lat-{size_bytes}-{repetition}")
+                        if repetition >= 2:
+                            times[plane].append(elapsed_s)
+                    bare_s = bare.once(timeout_s=60.0)
+                    raw_s = raw_tcp_once(raw, source.view)
+                    if repetition >= 2:
+                        times["bare"].append(bare_s)
+                        times["raw"].append(raw_s)
+        finally:
+            bare.close()
+        table[str(size_bytes)] = {name: _p50_ms(values) for name, values in times.items()}
+        progress("  latency " + f"{size_bytes / MIB:g} MiB: " + ", ".join(f"{k} {v:.2f} ms" for k, v in table[str(size_bytes)].items()))
+    return table
+
+
+def shm_throughput(
+    receiver: ReceiverProcess, sender: KvSender, source: LinearKvBuffer, repetitions: int
+) -> tuple[float, float, list[float]]:
+    """(median GB/s of whole pushes over shared memory, median GB/s of a hot single-thread memcpy of
+    the same bytes, per-repetition ratios). Each push is followed by one memcpy, so that the
+    machine's load hits both alike; one untimed round first pre-faults the pool's segment, the
+    receiver's mapping and the memcpy's buffers."""
+    destination = bytearray(source.size_bytes)
+    copy_source = bytearray(source.view)
+    view = memoryview(destination)
+    push_times, copy_times = [], []
+    for repetition in range(repetitions + 1):
+        push_s = _timed_push(receiver, sender, source, "shm", f"shm-{repetition}")
+        start = time.perf_counter()
+        view[:] = copy_source
+        copy_s = time.perf_counter() - start
+        if repetition:
+            push_times.append(push_s)
+            copy_times.append(copy_s)
+    size = source.size_bytes
+    ratios = [copy_s / push_s for push_s, copy_s in zip(push_times, copy_times, strict=True)]
+    return size / statistics.median(push_times) / 1e9, size / statistics.median(copy_times) / 1e9, ratios
+
+
+def data_plane_section(
+    source: LinearKvBuffer, sender_config: SenderConfig, tuned: bool, *, quick: bool, latency_repetitions: int | None
+) -> tuple[dict[str, object], dict[str, Target]]:
+    """The data planes: the latency table and the shared-memory throughput, with their targets."""
+    repetitions = latency_repetitions or (5 if quick else 20)
+    shm_config = msgspec.structs.replace(sender_config, data_plane="shm")
+    receiver = ReceiverProcess(
+        config={"max_chunk_bytes": sender_config.max_chunk_bytes, "max_streams_per_transfer": sender_config.num_streams},
+        tune_malloc=tuned,
+    )
+    with receiver, KvSender(sender_config) as grpc_sender, KvSender(shm_config, shm_tag="bench") as shm_sender:
+        progress(f"data planes: one transfer of each size, p50 of {repetitions}")
+        table = latency_table(receiver, {"grpc": grpc_sender, "shm": shm_sender}, sender_config, repetitions)
+        shm_gbps, copy_gbps, ratios = shm_throughput(receiver, shm_sender, source, 3 if quick else 7)
+    ratio = statistics.median(ratios)
+    print()
+    print(f"One transfer, p50 ms of {repetitions} (duet through KvSender and KvTransferServer; the same bytes bare):")
+    print_table(
+        ["size", "duet grpc", "duet shm", "bare gRPC", "raw TCP", "grpc - bare", "shm - bare"],
+        [
+            (
+                f"{int(size) // 1024} KiB" if int(size) < MIB else f"{int(size) // MIB} MiB",
+                row["grpc"], row["shm"], row["bare"], row["raw"], row["grpc"] - row["bare"], row["shm"] - row["bare"],
+            )
+            for size, row in table.items()
+        ],
+    )
+    print()
+    print_table(
+        ["shared memory, one transfer", "GB/s"],
+        [
+            (f"duet shm transfer of {source.size_bytes / MIB:.0f} MiB", shm_gbps),
+            ("hot single-thread memcpy (bytearray slice copy, after each push)", copy_gbps),
+            (f"ratio, median per repetition (target >= {SHM_TARGET_RATIO})", ratio),
+            ("ratio, per-repetition range", f"{min(ratios):.3f} - {max(ratios):.3f}"),
+        ],
+    )
+    target_row = table[str(LATENCY_TARGET_SIZE_BYTES)]
+    figures: dict[str, object] = {
+        "latency_p50_ms": {size: {name: round(value, 3) for name, value in row.items()} for size, row in table.items()},
+        "latency_repetitions": repetitions,
+        "shm_gbps": round(shm_gbps, 4),
+        "shm_memcpy_gbps": round(copy_gbps, 4),
+        "ratio_shm_vs_memcpy": round(ratio, 4),
+        "ratio_shm_vs_memcpy_range": [round(min(ratios), 4), round(max(ratios), 4)],
+    }
+    targets = {
+        "ratio_shm_vs_memcpy": Target(ratio, SHM_TARGET_RATIO, higher_is_better=True),
+        "latency_4mib_grpc_ms": Target(target_row["grpc"], round(target_row["bare"] + LATENCY_TARGET_EXTRA_MS, 3), higher_is_better=False),
+        "latency_4mib_shm_ms": Target(target_row["shm"], round(target_row["bare"] + LATENCY_TARGET_EXTRA_MS, 3), higher_is_better=False),
+    }
+    return figures, targets
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class InstanceSpec:
     push_threads: int = 2
     sender: Mapping[str, Any] | None = None  # SenderConfig fields
     receiver: Mapping[str, Any] | None = None  # ReceiverConfig fields (host/port come from above)
+    shm_tag: str = "0"  # this cluster's tag in shared-memory segment names (worker/kv_transfer/shm.py)
 
     @property
     def role(self) -> InstanceRole:
@@ -226,7 +227,9 @@ class Instance:
         if role in (InstanceRole.PREFILL, InstanceRole.MIXED):
             from worker.kv_transfer.sender import KvSender
 
-            self.sender = KvSender(SenderConfig.from_mapping(spec.sender or {}), security=security, faults=self.faults)
+            self.sender = KvSender(
+                SenderConfig.from_mapping(spec.sender or {}), security=security, faults=self.faults, shm_tag=spec.shm_tag
+            )
         self._push_pool = concurrent.futures.ThreadPoolExecutor(max_workers=spec.push_threads, thread_name_prefix="kv-push")
         self.info = InstanceInfo(
             instance_id=spec.instance_id,

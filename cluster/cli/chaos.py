@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--address", default=None, metavar="ADDR",
         help="the Ray cluster to join (default: an embedded local one; $RAY_ADDRESS is honoured)",
     )
+    parser.add_argument(
+        "--data-plane", default=defaults.data_plane, choices=("auto", "grpc", "shm"),
+        help=f"what carries the KV bytes between instances (kv_transfer.data_plane; {defaults.data_plane}): "
+        "shared memory on one host, or gRPC streams",
+    )
     parser.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
     parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "bfloat16", "float16"), help="model and KV dtype")
     parser.add_argument("--device", default=defaults.device, metavar="DEV", help="auto, cpu or cuda")
@@ -110,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
             dtype=args.dtype,
             device=args.device,
             lost_after_s=args.lost_after,
+            data_plane=args.data_plane,
         )
     except SoakConfigError as error:
         raise CliError(f"--{error.field.replace('_', '-').removesuffix('-s')}: {error.message}", EXIT_USAGE) from None

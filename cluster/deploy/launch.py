@@ -16,6 +16,7 @@ from typing import Any
 
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.router.instance_client import RayInstanceClient
+from worker.kv_transfer import shm
 from worker.protocol import Encoder, InstanceRole, Ping
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,10 @@ def check_resources(planned: list[PlannedInstance], nodes: list[dict[str, Any]],
             )
 
 
+# How long stop() waits for killed instances that own shared-memory segments to exit.
+SHM_SWEEP_WAIT_S = 10.0
+
+
 class Deployment:
     """The instance actors of one cluster configuration."""
 
@@ -167,8 +172,9 @@ class Deployment:
                 cluster_token=self.cluster_token,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,
-                sender=self.config.kv_transfer.get("sender"),
-                receiver=self.config.kv_transfer.get("receiver"),
+                sender=self._kv_section("sender"),
+                receiver=self._kv_section("receiver"),
+                shm_tag=self.deployment_id,
             )
             actor = remote_class.options(
                 name=f"duet-{self.deployment_id}-{item.instance_id}",
@@ -203,6 +209,14 @@ class Deployment:
         logger.info("started %d instances: %s", len(self.actors), ", ".join(self.actors))
         return list(self.clients.values())
 
+    def _kv_section(self, side: str) -> dict[str, Any] | None:
+        """`kv_transfer.<side>` with `kv_transfer.data_plane` applied (it sets both sides)."""
+        section = self.config.kv_transfer.get(side)
+        data_plane = self.config.kv_transfer.get("data_plane")
+        if data_plane is None:
+            return section
+        return {**(section or {}), "data_plane": data_plane}
+
     def stop(self) -> None:
         import ray
 
@@ -215,6 +229,17 @@ class Deployment:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
+        self.sweep_shared_memory()
+
+    def sweep_shared_memory(self, wait_s: float = SHM_SWEEP_WAIT_S) -> list[str]:
+        """Remove this deployment's shared-memory segments on this host. Actors are killed, never
+        closed, so their senders' segments stay behind; their owners' exits are awaited (bounded:
+        ray.kill returns before the process is gone) so that none creates one after the sweep.
+        Other hosts' segments go when a restarted instance's pool sweeps its dead predecessors'."""
+        removed = shm.sweep_when_owners_exit(self.deployment_id, wait_s)
+        if removed:
+            logger.info("removed %d shared-memory segment(s) of deployment %s", len(removed), self.deployment_id)
+        return removed
 
 
 def roles_summary(config: ClusterConfig) -> str:

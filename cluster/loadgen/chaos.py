@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -56,6 +56,7 @@ from cluster.loadgen.chaos_plan import (
 )
 from cluster.loadgen.chaos_report import KillRecord, SoakReport, build_report, was_recovered
 from cluster.loadgen.metrics import RequestRecord
+from worker.kv_transfer import shm
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +305,7 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
         except DeploymentError as error:
             raise SoakError(f"cannot deploy: {error}") from None
         vocab_size = faulty.router.vocab_size
+        shm_tag = faulty.deployment.deployment_id  # the cluster is gone once stopped
         requests = make_requests(config, vocab_size)
         plan = faulty_config.faults or {}
         planned = planned_faults(plan, requests)
@@ -329,7 +331,7 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
 
         illegal_faulty, transfers = _router_counters(faulty)
         illegal_clean, _ = _router_counters(clean)
-        return build_report(
+        report = build_report(
             config,
             records,
             replayed,
@@ -353,3 +355,5 @@ def run_soak(config: SoakConfig, *, show_progress: bool = True) -> SoakReport:
             import ray  # see _Killer.kill
 
             ray.shutdown()
+    # Killed instances never closed their senders: the stop's sweep must have removed their segments.
+    return replace(report, shm_segments_left=len(shm.segments(shm_tag)))

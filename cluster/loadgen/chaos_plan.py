@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.deploy.config import ClusterConfig
+from worker.kv_transfer.config import DATA_PLANES
 from worker.kv_transfer.faults import FaultInjector, FaultPlan, FaultSide
 
 REQUEST_PREFIX = "soak"
@@ -86,6 +87,7 @@ class SoakConfig:
     settle_timeout_s: float = 90.0  # bound on waiting for instances to come back and free blocks
     restart_timeout_s: float = 180.0  # bound on waiting for a killed instance to serve again
     kill_role: str | None = None  # "prefill" | "generation": kill only instances of that role
+    data_plane: str = "auto"  # kv_transfer.data_plane of the faulty cluster: auto, grpc or shm
 
     def __post_init__(self) -> None:
         _int_at_least("requests", self.requests, 1)
@@ -106,6 +108,8 @@ class SoakConfig:
                 raise SoakConfigError(name, f"must be a positive number, got {value!r}")
         if self.kill_role not in (None, "prefill", "generation"):
             raise SoakConfigError("kill_role", f"must be prefill or generation, got {self.kill_role!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise SoakConfigError("data_plane", f"must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise SoakConfigError("dtype", f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -320,6 +324,8 @@ def faulty_cluster_config(config: SoakConfig) -> ClusterConfig:
             # A free metrics port: a `duet serve` on this machine may hold the default one.
             "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},
             "faults": fault_plan(config.seed, config.fault_rate),
+            # The same fault points apply on every data plane (worker/kv_transfer/sender.py).
+            "kv_transfer": {"data_plane": config.data_plane},
             "ray": {"address": config.address},
             "max_restarts": config.num_kills + 3,
             "seed": config.seed,

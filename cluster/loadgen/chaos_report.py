@@ -45,7 +45,7 @@ from cluster.loadgen.chaos_plan import SoakConfig, soak_request_id
 from cluster.loadgen.metrics import PercentileMethod, RequestRecord, percentile
 
 BENCH_NAME = "chaos_soak"
-MUST_BE_ZERO = ("lost", "leaked_blocks", "token_mismatches", "illegal_transitions")
+MUST_BE_ZERO = ("lost", "leaked_blocks", "token_mismatches", "illegal_transitions", "shm_segments_left")
 
 
 @dataclass(frozen=True)
@@ -161,6 +161,7 @@ class SoakReport:
     mismatches: tuple[Mismatch, ...] = ()
     failures: tuple[RequestRecord, ...] = ()  # accepted, not completed (lost ones included)
     instances_after: tuple[str, ...] = ()  # the faulty cluster's instances once settled
+    shm_segments_left: int = 0  # the faulty cluster's shared-memory segments once it has stopped
 
     @property
     def faults_fired(self) -> int:
@@ -184,6 +185,7 @@ class SoakReport:
             "rejected_by_status": dict(self.rejected_by_status),
             "lost": self.lost,
             "leaked_blocks": self.leaked_blocks,
+            "shm_segments_left": self.shm_segments_left,
             "token_mismatches": self.token_mismatches,
             "illegal_transitions": self.illegal_transitions,
             "recovered": self.recovered,
@@ -205,6 +207,7 @@ class SoakReport:
             "seed": self.config.seed,
             "fault_rate": self.config.fault_rate,
             "kill_every": self.config.kill_every,
+            "data_plane": self.config.data_plane,
             "instances": f"{self.config.prefill} PREFILL + {self.config.generation} GENERATION",
         }
 
@@ -230,6 +233,7 @@ class SoakReport:
             ("rejected at admission", f"{sum(self.rejected_by_status.values())} ({counts(self.rejected_by_status)})"),
             ("lost (must be 0)", str(self.lost)),
             ("leaked blocks (must be 0)", str(self.leaked_blocks)),
+            ("shm segments left after stop (must be 0)", str(self.shm_segments_left)),
             ("token mismatches (must be 0)", str(self.token_mismatches)),
             ("illegal transitions (must be 0)", str(self.illegal_transitions)),
             ("recovered requests", str(self.recovered)),
@@ -247,7 +251,8 @@ class SoakReport:
         width = max(len(name) for name, _ in rows)
         lines = [
             f"chaos soak: {self.config.prefill} PREFILL + {self.config.generation} GENERATION, seed {self.config.seed}, "
-            f"fault rate {self.config.fault_rate:g}, kill every {self.config.kill_every or '-'}",
+            f"fault rate {self.config.fault_rate:g}, kill every {self.config.kill_every or '-'}, "
+            f"data plane {self.config.data_plane}",
             "",
         ]
         lines += [f"{name.ljust(width)}  {value}" for name, value in rows]

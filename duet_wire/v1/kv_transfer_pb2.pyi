@@ -23,6 +23,12 @@ class TransferFailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_FAILURE_REASON_PROTOCOL_ERROR: _ClassVar[TransferFailureReason]
     TRANSFER_FAILURE_REASON_INTERNAL: _ClassVar[TransferFailureReason]
 
+class DataPlane(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_PLANE_UNSPECIFIED: _ClassVar[DataPlane]
+    DATA_PLANE_GRPC: _ClassVar[DataPlane]
+    DATA_PLANE_SHM: _ClassVar[DataPlane]
+
 class ChecksumAlgorithm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CHECKSUM_ALGORITHM_UNSPECIFIED: _ClassVar[ChecksumAlgorithm]
@@ -41,6 +47,9 @@ TRANSFER_FAILURE_REASON_RESOURCE_EXHAUSTED: TransferFailureReason
 TRANSFER_FAILURE_REASON_UNAUTHENTICATED: TransferFailureReason
 TRANSFER_FAILURE_REASON_PROTOCOL_ERROR: TransferFailureReason
 TRANSFER_FAILURE_REASON_INTERNAL: TransferFailureReason
+DATA_PLANE_UNSPECIFIED: DataPlane
+DATA_PLANE_GRPC: DataPlane
+DATA_PLANE_SHM: DataPlane
 CHECKSUM_ALGORITHM_UNSPECIFIED: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_CRC32: ChecksumAlgorithm
 CHECKSUM_ALGORITHM_XXH3_64: ChecksumAlgorithm
@@ -64,7 +73,7 @@ class KvLayoutSpec(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout_name: _Optional[str] = ...) -> None: ...
 
 class KvPrepareRequest(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "layout", "num_blocks", "num_streams", "max_chunk_bytes", "timeout_s", "checksum_algorithms")
+    __slots__ = ("transfer_id", "request_id", "layout", "num_blocks", "num_streams", "max_chunk_bytes", "timeout_s", "checksum_algorithms", "shm_offer")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +82,7 @@ class KvPrepareRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHMS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     layout: KvLayoutSpec
@@ -81,26 +91,39 @@ class KvPrepareRequest(_message.Message):
     max_chunk_bytes: int
     timeout_s: float
     checksum_algorithms: _containers.RepeatedScalarFieldContainer[ChecksumAlgorithm]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_streams: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithms: _Optional[_Iterable[_Union[ChecksumAlgorithm, str]]] = ...) -> None: ...
+    shm_offer: KvShmOffer
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_streams: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithms: _Optional[_Iterable[_Union[ChecksumAlgorithm, str]]] = ..., shm_offer: _Optional[_Union[KvShmOffer, _Mapping]] = ...) -> None: ...
+
+class KvShmOffer(_message.Message):
+    __slots__ = ("segment", "probe_offset", "probe")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    probe_offset: int
+    probe: bytes
+    def __init__(self, segment: _Optional[str] = ..., probe_offset: _Optional[int] = ..., probe: _Optional[bytes] = ...) -> None: ...
 
 class KvPrepareResponse(_message.Message):
-    __slots__ = ("layout", "expected_num_blocks", "max_chunk_bytes", "max_streams", "timeout_s", "checksum_algorithm")
+    __slots__ = ("layout", "expected_num_blocks", "max_chunk_bytes", "max_streams", "timeout_s", "checksum_algorithm", "data_plane")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_STREAMS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     layout: KvLayoutSpec
     expected_num_blocks: int
     max_chunk_bytes: int
     max_streams: int
     timeout_s: float
     checksum_algorithm: ChecksumAlgorithm
-    def __init__(self, layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., expected_num_blocks: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ...) -> None: ...
+    data_plane: DataPlane
+    def __init__(self, layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., expected_num_blocks: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ...) -> None: ...
 
 class KvChunkHeader(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "sequence", "layer_start", "layer_end", "block_start", "block_end", "dtype", "shape", "byte_length", "checksum", "checksum_algorithm", "end_of_stream")
+    __slots__ = ("transfer_id", "request_id", "sequence", "layer_start", "layer_end", "block_start", "block_end", "dtype", "shape", "byte_length", "checksum", "checksum_algorithm", "end_of_stream", "shm")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +137,7 @@ class KvChunkHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     sequence: int
@@ -127,7 +151,14 @@ class KvChunkHeader(_message.Message):
     checksum: int
     checksum_algorithm: ChecksumAlgorithm
     end_of_stream: bool
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequence: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., checksum: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., end_of_stream: bool = ...) -> None: ...
+    shm: KvShmRef
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequence: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., checksum: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., end_of_stream: bool = ..., shm: _Optional[_Union[KvShmRef, _Mapping]] = ...) -> None: ...
+
+class KvShmRef(_message.Message):
+    __slots__ = ("offset",)
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    def __init__(self, offset: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -59,8 +59,9 @@ def _rules() -> list[dict]:
     return rules
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_cluster):
+@pytest.fixture(scope="module", params=["grpc", "shm"])
+def cluster(ray_cluster, request):
+    # Every fault point applies on both data planes (the instances share a host: "shm" is really used).
     config = ClusterConfig.from_dict(
         {
             "dtype": "float32",
@@ -79,7 +80,11 @@ def cluster(ray_cluster):
             "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},
             "faults": {"enabled": True, "seed": 11, "rules": _rules()},
             # Small chunks: a transfer has several, so faults can hit one mid-stream.
-            "kv_transfer": {"sender": {"max_chunk_bytes": 65536}, "receiver": {"max_chunk_bytes": 65536}},
+            "kv_transfer": {
+                "sender": {"max_chunk_bytes": 65536},
+                "receiver": {"max_chunk_bytes": 65536},
+                "data_plane": request.param,
+            },
             "max_restarts": 20,
             "seed": 3,
         }

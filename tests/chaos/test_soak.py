@@ -56,6 +56,8 @@ def test_the_short_soak_loses_nothing_leaks_nothing_and_matches_the_replay(ray_c
             "--seed", "11",
             "--fault-rate", str(SOAK_FAULT_RATE),
             "--kill-every", str(SOAK_KILL_EVERY),
+            # One host: the bytes go through shared memory (tests/chaos/test_faults.py runs both planes).
+            "--data-plane", "shm",
             "--no-progress",
             "--json-out", str(json_out),
         ]
@@ -72,6 +74,7 @@ def test_the_short_soak_loses_nothing_leaks_nothing_and_matches_the_replay(ray_c
     assert {name: targets[name]["value"] for name in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, 0), out
     assert status == 0, out
     assert figures["unhealthy_after_settle"] == []
+    assert figures["data_plane"] == "shm" and figures["shm_segments_left"] == 0  # killed senders' segments swept
     # Every request was admitted and ended: completed, or failed with a status the cluster sent.
     assert figures["accepted"] == SOAK_REQUESTS
     assert figures["completed"] + sum(figures["failed_by_status"].values()) == SOAK_REQUESTS

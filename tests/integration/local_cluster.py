@@ -31,6 +31,7 @@ def make_instance(
     device: str = "cpu",
     dtype: str = "float32",
     engine: dict | None = None,
+    data_plane: str = "auto",
 ) -> Instance:
     spec = InstanceSpec(
         instance_id,
@@ -40,8 +41,8 @@ def make_instance(
         cluster_token=TOKEN,
         torch_threads=1,
         faults=faults,
-        sender={"max_chunk_bytes": 64 * 1024},
-        receiver={"max_chunk_bytes": 64 * 1024},
+        sender={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
+        receiver={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
     )
     return Instance(spec)
 
@@ -64,11 +65,14 @@ class Cluster:
         device: str = "cpu",
         dtype: str = "float32",
         engine: dict | None = None,
+        data_plane: str = "auto",
     ):
         if config is None and InstanceRole.PREFILL not in roles.values():
             config = router_config(placement={"disaggregation": "never"})
         self.instances = {
-            name: make_instance(name, role, (faults or {}).get(name), device=device, dtype=dtype, engine=engine)
+            name: make_instance(
+                name, role, (faults or {}).get(name), device=device, dtype=dtype, engine=engine, data_plane=data_plane
+            )
             for name, role in roles.items()
         }
         self.clients = {name: LocalInstanceClient(inst) for name, inst in self.instances.items()}

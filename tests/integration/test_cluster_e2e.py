@@ -218,3 +218,33 @@ def test_metrics_and_timeline_log(ray_cluster, tmp_path) -> None:
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["client_request_id"] for r in records] == ["m-0", "m-1", "m-2"]
     assert records[0]["timeline"][-1]["state"] == "COMPLETE" and records[0]["usage"]["completion_tokens"] == 6
+
+
+def test_sigkilled_instances_leave_no_shared_memory_segment_once_the_cluster_stops(ray_cluster) -> None:
+    """kv_transfer.data_plane shm on one host: the sender's pooled segment outlives a SIGKILL of its
+    process (nothing closes the pool) and goes with the launcher's sweep when the cluster stops."""
+    import os
+    import signal
+
+    from worker.kv_transfer import shm
+    from worker.protocol import Decoder, Encoder, GetInfo, InstanceInfo, Reply
+
+    ray = ray_cluster
+    harness = ClusterHarness(config(kv_transfer={"data_plane": "shm"})).start()
+    tag = harness.cluster.deployment.deployment_id
+    try:
+        with harness.client(timeout_s=120) as client:
+            done = client.complete(PROMPTS[2], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert [w.phase for w in done.instances] == ["prefill", "generation"]
+        assert shm.segments(tag), "the sender keeps its segment pooled"
+        for actor in harness.cluster.deployment.actors.values():
+            info = Decoder(Reply).decode(ray.get(actor.handle.remote(Encoder().encode(GetInfo())), timeout=30))
+            assert isinstance(info, InstanceInfo)
+            os.kill(info.pid, signal.SIGKILL)  # sender and receiver
+        deadline = time.monotonic() + 30
+        while shm.live_owners(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert shm.segments(tag), "a SIGKILLed sender cannot remove its own segment"
+    finally:
+        harness.stop()
+    assert shm.segments(tag) == []

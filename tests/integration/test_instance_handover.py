@@ -1,8 +1,11 @@
-"""KV hand-over between two instances in separate processes (Ray actors) over gRPC on 127.0.0.1.
+"""KV hand-over between two instances in separate processes (Ray actors), control over gRPC on
+127.0.0.1, bytes over each data plane: gRPC streams and shared memory (forced, so that a transfer
+that could not use it fails).
 
 The KV that arrives is byte-identical to what was sent, generation continues with the tokens of a
 MIXED instance (greedy and seeded), and each fault kind of the injector gives its documented
-outcome, with free blocks back at their start on both sides.
+outcome, with free blocks back at their start on both sides. A SIGKILLed sender or receiver leaves
+no shared-memory segment once its instances are stopped and swept (what the launcher does).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 
 from worker.default_model import margin_corpus
 from worker.engine_types import EngineConfig
+from worker.kv_transfer import shm
 from worker.kv_transfer.failures import FailureReason
 from worker.protocol import (
     Abort,
@@ -39,13 +43,15 @@ from worker.protocol import (
 from worker.sampling import SamplingParams
 
 TOKEN = "test-cluster-token-0123456789abcdef"
+SHM_TAG = "handover"
+DATA_PLANES = ["grpc", "shm"]
 PROMPTS = margin_corpus(0, 16)
 LONG = [p for p in PROMPTS if len(p) >= 64][:6]  # >= 4 blocks: several 64 KiB chunks per transfer
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=4321, ignore_eos=True)
 
 
-def _spec(instance_id: str, role: InstanceRole, faults=None):
+def _spec(instance_id: str, role: InstanceRole, faults=None, data_plane: str = "auto", shm_tag: str = SHM_TAG):
     from worker.instance import InstanceSpec
 
     return InstanceSpec(
@@ -56,8 +62,9 @@ def _spec(instance_id: str, role: InstanceRole, faults=None):
         cluster_token=TOKEN,
         torch_threads=1,
         faults=faults,
-        sender={"max_chunk_bytes": 64 * 1024},
-        receiver={"max_chunk_bytes": 64 * 1024},
+        sender={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
+        receiver={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
+        shm_tag=shm_tag,
     ).to_bytes()
 
 
@@ -72,11 +79,11 @@ def _call(ray, actor, command, expected: type, timeout: float | None = None):
     return _reply(ray.get(actor.handle.remote(Encoder().encode(command)), timeout=timeout), expected)
 
 
-def _actor(ray, instance_id: str, role: InstanceRole, faults=None):
+def _actor(ray, instance_id: str, role: InstanceRole, faults=None, data_plane: str = "auto", shm_tag: str = SHM_TAG):
     from worker.instance import Instance
 
     remote = ray.remote(num_cpus=0.25, max_concurrency=8, max_restarts=0)(Instance)
-    actor = remote.remote(_spec(instance_id, role, faults))
+    actor = remote.remote(_spec(instance_id, role, faults, data_plane, shm_tag))
     info = _call(ray, actor, GetInfo(), InstanceInfo, timeout=120)
     return actor, info
 
@@ -177,9 +184,10 @@ def mixed_tokens(ray, mixed, request_id: str, prompt, params) -> list[int]:
     return [t for o in box.outputs if o.request_id == request_id for t in o.new_token_ids]
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_cluster):
+@pytest.fixture(scope="module", params=DATA_PLANES)
+def cluster(ray_cluster, request):
     ray = ray_cluster
+    plane = request.param
     # One prefill/generation pair serves every fault kind: each rule matches its own request ids.
     sender_rules = [
         {"kind": "drop", "request_ids": ["drop"], "chunk": 1},
@@ -199,12 +207,13 @@ def cluster(ray_cluster):
         {"kind": "refuse", "side": "receiver", "request_ids": ["r-refuse"]},
         {"kind": "hold", "state": "DISAGG_GENERATION_INIT", "seconds": 1.0, "request_ids": ["hold"]},
     ]
-    prefill = _actor(ray, "p0", InstanceRole.PREFILL, {"enabled": True, "seed": 1, "rules": sender_rules})
-    generation = _actor(ray, "g0", InstanceRole.GENERATION, {"enabled": True, "seed": 1, "rules": receiver_rules})
-    mixed = _actor(ray, "m0", InstanceRole.MIXED)
+    prefill = _actor(ray, f"p0-{plane}", InstanceRole.PREFILL, {"enabled": True, "seed": 1, "rules": sender_rules}, plane)
+    generation = _actor(ray, f"g0-{plane}", InstanceRole.GENERATION, {"enabled": True, "seed": 1, "rules": receiver_rules}, plane)
+    mixed = _actor(ray, f"m0-{plane}", InstanceRole.MIXED, data_plane=plane)
     yield ray, prefill, generation, mixed
     for actor, _ in (prefill, generation, mixed):
         ray.kill(actor)
+    shm.sweep_when_owners_exit(SHM_TAG, wait_s=10.0)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -300,13 +309,15 @@ def test_hold_keeps_a_request_in_its_state(cluster) -> None:
     assert result.push.ok and result.tokens == expected
 
 
+@pytest.mark.parametrize("plane", DATA_PLANES)
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_killed_peer_fails_the_transfer_and_frees_the_survivor(ray_cluster, side) -> None:
+def test_killed_peer_fails_the_transfer_and_frees_the_survivor(ray_cluster, side, plane) -> None:
     ray = ray_cluster
     rule = {"kind": "kill", "side": side, "request_ids": ["doomed"], "chunk": 1}
     plan = {"enabled": True, "seed": 3, "rules": [rule]}
-    prefill = _actor(ray, f"pk-{side}", InstanceRole.PREFILL, plan if side == "sender" else None)
-    generation = _actor(ray, f"gk-{side}", InstanceRole.GENERATION, plan if side == "receiver" else None)
+    tag = f"kill{side[0]}{plane}"
+    prefill = _actor(ray, f"pk-{side}-{plane}", InstanceRole.PREFILL, plan if side == "sender" else None, plane, tag)
+    generation = _actor(ray, f"gk-{side}-{plane}", InstanceRole.GENERATION, plan if side == "receiver" else None, plane, tag)
     (p_actor, _), (g_actor, g_info) = prefill, generation
     p_box, g_box = Mailbox(), Mailbox()
     prompt = LONG[0]
@@ -327,5 +338,10 @@ def test_killed_peer_fails_the_transfer_and_frees_the_survivor(ray_cluster, side
         _call(ray, p_actor, Release("doomed", FailureReason(push.reason), push.detail), Ack)
         _poll(ray, [(survivor, survivor_box)], lambda: survivor_box.final("doomed") is not None)
     assert free_blocks(ray, survivor) == (128, 128)
+    if plane == "shm" and side == "sender":
+        assert shm.segments(tag), "the killed sender's segment should be there until the sweep"
     for actor in (p_actor, g_actor):
         ray.kill(actor)
+    # What the launcher does when a cluster stops: wait for the killed processes, sweep the tag.
+    shm.sweep_when_owners_exit(tag, wait_s=10.0)
+    assert shm.segments(tag) == []

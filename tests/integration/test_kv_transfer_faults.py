@@ -1,5 +1,7 @@
 """Every fault kind gives its documented outcome (worker/kv_transfer/faults.py) on both sides: the
-sender's TransferOutcome and the calls the receiver's target got; the receiver serves on."""
+sender's TransferOutcome and the calls the receiver's target got; the receiver serves on. Each test
+runs on both data planes (gRPC streams, and shared memory forced); a SIGKILLed sender's segment is
+removed by the sweep a launcher runs."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import multiprocessing
 import random
 import time
 
+import msgspec
 import pytest
 
 from worker.kv_layout import KvLayout
+from worker.kv_transfer import shm
 from worker.kv_transfer.buffers import LinearKvBuffer
 from worker.kv_transfer.config import SenderConfig
 from worker.kv_transfer.failures import FailureReason
@@ -62,10 +66,17 @@ def receiver():
         yield process
 
 
+@pytest.fixture(scope="module", params=["grpc", "shm"])
+def plane(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def sender():
-    with KvSender(SENDER_CONFIG, faults=FaultInjector.from_mapping({"seed": 1, "rules": SENDER_RULES})) as instance:
+def sender(plane: str):
+    config = msgspec.structs.replace(SENDER_CONFIG, data_plane=plane)
+    with KvSender(config, faults=FaultInjector.from_mapping({"seed": 1, "rules": SENDER_RULES}), shm_tag="faults") as instance:
         yield instance
+    assert shm.segments("faults") == []  # a closed sender leaves nothing
 
 
 def _push(receiver: ReceiverProcess, sender: KvSender, request_id: str, deadline_s: float = DEADLINE_S):
@@ -129,31 +140,41 @@ def test_refused_prepare_opens_nothing(receiver, sender) -> None:
     _assert_still_serving(receiver, sender)
 
 
-def _push_and_get_killed(address: str, transfer_id: str) -> None:
+def _push_and_get_killed(address: str, transfer_id: str, plane: str) -> None:
     """Runs in a spawned sender process that the kill fault ends."""
-    with KvSender(SENDER_CONFIG, faults=FaultInjector.from_mapping({"seed": 1, "rules": SENDER_RULES})) as doomed:
+    config = msgspec.structs.replace(SENDER_CONFIG, data_plane=plane)
+    faults = FaultInjector.from_mapping({"seed": 1, "rules": SENDER_RULES})
+    with KvSender(config, faults=faults, shm_tag="killedtx") as doomed:
         doomed.push(address, transfer_id, "tx-kill", _source(), DEADLINE_S)
 
 
-def test_killed_sender_fails_the_transfer_on_the_receiver(receiver, sender) -> None:
+def test_killed_sender_fails_the_transfer_on_the_receiver(receiver, sender, plane) -> None:
     transfer_id = new_transfer_id()
     receiver.expect(transfer_id, "tx-kill", LAYOUT, NUM_BLOCKS)
-    process = multiprocessing.get_context("spawn").Process(target=_push_and_get_killed, args=(receiver.address, transfer_id))
+    process = multiprocessing.get_context("spawn").Process(
+        target=_push_and_get_killed, args=(receiver.address, transfer_id, plane)
+    )
     process.start()
     process.join(60)
     assert process.exitcode == -9  # SIGKILL
     result = receiver.result(transfer_id, wait_s=5.0)
     assert result.state == "FAILED" and result.failure_reason == FailureReason.PEER_UNAVAILABLE.value, result
     _assert_still_serving(receiver, sender)
+    # The killed process never closed its pool: its segment stays until a sweep of its tag.
+    assert len(shm.segments("killedtx")) == (1 if plane == "shm" else 0)
+    assert len(shm.sweep("killedtx", only_dead_owners=True)) == (1 if plane == "shm" else 0)
+    assert shm.segments("killedtx") == []
 
 
-def test_killed_receiver_is_peer_unavailable_to_the_sender() -> None:
+@pytest.mark.parametrize("plane", ["grpc", "shm"])
+def test_killed_receiver_is_peer_unavailable_to_the_sender(plane: str) -> None:
     doomed = ReceiverProcess(faults={"rules": [{"kind": "kill", "side": "receiver", "chunk": 1}]})
     doomed.start()
     try:
         transfer_id = new_transfer_id()
         doomed.expect(transfer_id, "victim", LAYOUT, NUM_BLOCKS)
-        with KvSender(SENDER_CONFIG) as plain:
+        config = msgspec.structs.replace(SENDER_CONFIG, data_plane=plane)
+        with KvSender(config, shm_tag="killedrx") as plain:
             started = time.monotonic()
             outcome = plain.push(doomed.address, transfer_id, "victim", _source(), DEADLINE_S)
         assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE, outcome
@@ -163,6 +184,7 @@ def test_killed_receiver_is_peer_unavailable_to_the_sender() -> None:
                 break
             time.sleep(0.05)
         assert not doomed.is_alive()
+        assert shm.segments("killedrx") == []  # a receiver owns no segments; the sender closed its own
     finally:
         doomed.kill()
 

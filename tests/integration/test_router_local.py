@@ -1,6 +1,7 @@
 """The router with real engines in this process (no Ray): the disaggregated flow, recovery, aborts.
 
-Instances talk KV over real gRPC on 127.0.0.1; the router drives them through LocalInstanceClient.
+Instances talk KV over real gRPC on 127.0.0.1 (bytes over gRPC streams or shared memory, both in
+this process); the router drives them through LocalInstanceClient.
 """
 
 from __future__ import annotations
@@ -18,27 +19,31 @@ from worker.tokenizer import ByteTokenizer
 
 
 # Small chunks (two blocks): the prompts prefill in up to 3 chunks, so an early reservation is made
-# and relayed while later chunks still compute.
+# and relayed while later chunks still compute, and finished chunks stream.
 CHUNKED = {"max_num_tokens": 32, "chunk_unit_tokens": 32}
 
 
 @pytest.mark.parametrize(
-    ("params", "reserve", "engine"),
+    ("params", "reserve", "engine", "data_plane"),
     [
-        (GREEDY, "at_context_start", None),
-        (SEEDED, "at_context_start", None),
-        (GREEDY, "at_admission", CHUNKED),
-        (SEEDED, "at_context_start", CHUNKED),
-        (GREEDY, "at_context_done", None),
+        (GREEDY, "at_context_start", None, "grpc"),
+        (SEEDED, "at_context_start", None, "grpc"),
+        (GREEDY, "at_context_start", None, "shm"),
+        (SEEDED, "at_context_start", None, "shm"),
+        (GREEDY, "at_admission", CHUNKED, "grpc"),
+        (SEEDED, "at_context_start", CHUNKED, "shm"),
+        (GREEDY, "at_context_done", None, "grpc"),
     ],
-    ids=["greedy", "seeded", "greedy-at_admission-chunked", "seeded-chunked", "greedy-at_context_done"],
+    ids=["greedy", "seeded", "greedy-shm", "seeded-shm", "greedy-at_admission-chunked", "seeded-chunked-shm", "greedy-at_context_done"],
 )
-def test_disaggregated_equals_colocated(params, reserve, engine) -> None:
+def test_disaggregated_equals_colocated(params, reserve, engine, data_plane) -> None:
     async def scenario():
         async with Cluster({"m0": InstanceRole.MIXED}) as colocated_cluster:
             colocated = [await colocated_cluster.run(p, params) for p in PROMPTS[:8]]
         config = router_config(handover={"reserve": reserve})
-        async with Cluster({"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}, config=config, engine=engine) as disagg_cluster:
+        # "shm" is forced: a hand-over that could not use shared memory would fail, not fall back.
+        roles = {"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}
+        async with Cluster(roles, config=config, engine=engine, data_plane=data_plane) as disagg_cluster:
             results = await asyncio.gather(*(disagg_cluster.run(p, params) for p in PROMPTS[:8]))
             free = await disagg_cluster.free_blocks_settle()
             router = disagg_cluster.router

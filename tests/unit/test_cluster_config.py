@@ -95,6 +95,7 @@ def test_a_bad_top_level_engine_key_is_named_under_engine_not_under_a_group() ->
         ({"engine": {"capacity_policy": "fastest"}}, "engine.capacity_policy", "'fastest'"),
         ({"kv_transfer": {"sender": {"max_chunk_bytes": 10}}}, "kv_transfer.sender.max_chunk_bytes", ">= 65536, got 10"),
         ({"kv_transfer": {"receiver": {"port": -1}}}, "kv_transfer.receiver.port", ">= 0, got -1"),
+        ({"kv_transfer": {"data_plane": "rdma"}}, "kv_transfer.data_plane", "'rdma'"),
         ({"faults": {"rules": [{"kind": "drop", "probability": 2}]}}, "faults.rules[0].probability", "<= 1.0, got 2"),
         ({"faults": {"rules": [{"kind": "delay"}]}}, "faults.rules[0]", "needs seconds"),
         ({"frontend": {"tls_cert": "cert.pem"}}, "frontend.tls_cert", "go together"),
@@ -231,3 +232,13 @@ def test_a_set_written_as_a_list_must_not_repeat() -> None:
     with pytest.raises(ConfigError) as info:
         RouterConfig.from_dict({"placement": {"allowed_fallbacks": ["colocate_always"]}})
     assert "'colocate_always' (entry 0)" in info.value.detail
+
+
+def test_kv_transfer_data_plane_reaches_both_sides_of_every_instance() -> None:
+    from cluster.deploy.launch import Deployment
+
+    config = ClusterConfig.from_dict({"kv_transfer": {"data_plane": "grpc", "sender": {"num_streams": 2}}})
+    deployment = Deployment(config)
+    assert deployment._kv_section("sender") == {"num_streams": 2, "data_plane": "grpc"}
+    assert deployment._kv_section("receiver") == {"data_plane": "grpc"}
+    assert Deployment(ClusterConfig.from_dict({}))._kv_section("sender") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -18,6 +18,12 @@ MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 64 * MIB
 # Unary messages (Prepare, Commit, Abort) are tiny; anything larger is refused by gRPC itself.
 MAX_CONTROL_MESSAGE_BYTES = 64 * 1024
+# Which data plane carries a transfer's bytes: "grpc" (the Push streams' messages), "shm" (a
+# shared-memory segment, same host only; the transfer fails when it cannot be used) or "auto"
+# (shared memory when the receiver can read the sender's segment and /dev/shm has room, gRPC
+# otherwise). Control is gRPC on every plane.
+DataPlaneName = Literal["auto", "grpc", "shm"]
+DATA_PLANES: tuple[str, ...] = ("auto", "grpc", "shm")
 # The checksum algorithms this side implements, by configuration name ("XXH3_64", "CRC32").
 CHECKSUM_ALGORITHM_NAMES: dict[str, int] = {checksum_name(value): value for value in SUPPORTED_CHECKSUMS}
 
@@ -63,6 +69,11 @@ class ReceiverConfig(_TransferSection, frozen=True):
     """Finished transfer ids remembered, so late chunks are dropped quietly and retries answered."""
     stop_grace_s: PositiveFloat = 2.0
     """Seconds in-flight RPCs get to finish when the server stops."""
+    data_plane: DataPlaneName = "auto"
+    """"grpc" refuses senders' shared-memory offers; "auto" and "shm" accept them when this process
+    can read the offered segment (worker/kv_transfer/shm.py)."""
+    shm_max_mapped: Annotated[int, Meta(ge=1, le=256)] = 8
+    """Senders' segments kept mapped between transfers (re-mapping one faults its pages in again)."""
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ReceiverConfig:
@@ -90,6 +101,17 @@ class SenderConfig(_TransferSection, frozen=True):
     checksum_algorithms: Annotated[tuple[str, ...], Meta(min_length=1)] = ("XXH3_64", "CRC32")
     """Checksum algorithms offered at Prepare, most preferred first (ChecksumAlgorithm names without
     their prefix). XXH3_64 is about 5x cheaper per byte than CRC32; CRC32 is what older receivers speak."""
+    data_plane: DataPlaneName = "auto"
+    """What carries the bytes: "auto" (shared memory when the receiver is on this host and /dev/shm has
+    room, gRPC otherwise), "grpc", or "shm" (a transfer that cannot use shared memory fails INCOMPATIBLE)."""
+    shm_pool_bytes: Annotated[int, Meta(ge=0)] = 512 * MIB
+    """Idle shared-memory segments kept for reuse, in bytes (a fresh segment is pre-faulted once, at
+    about a third of memcpy speed; a pooled one runs at memcpy speed)."""
+    shm_max_segment_bytes: Annotated[int, Meta(ge=MIN_CHUNK_BYTES, le=1 << 34)] = 2048 * MIB
+    """Largest segment one transfer may take; larger transfers go over gRPC (or fail under "shm")."""
+    shm_min_free_bytes: Annotated[int, Meta(ge=0)] = 128 * MIB
+    """Bytes /dev/shm must keep free after a new segment (Ray's object store lives there too);
+    with less, "auto" falls back to gRPC."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,6 +140,17 @@ class KvTransferConfig(_TransferSection, frozen=True):
     """Settings of every prefill (or mixed) instance's sender."""
     receiver: ReceiverConfig = ReceiverConfig()
     """Settings of every generation (or mixed) instance's transfer server."""
+    data_plane: DataPlaneName | None = None
+    """Sets `sender.data_plane` and `receiver.data_plane` of every instance at once (None: theirs)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.data_plane is not None:
+            for side in (self.sender, self.receiver):
+                if side.data_plane not in ("auto", self.data_plane):
+                    raise TransferConfigError(
+                        f"data_plane {self.data_plane!r} contradicts {type(side).__name__}.data_plane {side.data_plane!r}"
+                    )
 
 
 @dataclass(frozen=True)

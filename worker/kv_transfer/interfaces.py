@@ -42,6 +42,21 @@ class TransferTarget(Protocol):
 
 
 @runtime_checkable
+class TransferViewsTarget(TransferTarget, Protocol):
+    """A TransferTarget that can hand out its storage of a range as writable buffers. On the
+    shared-memory plane the receiver then copies a chunk from the segment straight into them and
+    verifies the checksum on the stored copy, instead of copying out, verifying and calling `write`
+    (one pass over the bytes fewer). Bytes that fail the check stay in blocks the failed transfer
+    reserved, which are never read."""
+
+    def views(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> Sequence[memoryview] | None:
+        """Writable buffers whose concatenation is the range in `write`'s layout, valid until commit
+        or fail (None: use `write` for this range). Filling them is this range's write: the same
+        threading and ordering rules apply."""
+        ...
+
+
+@runtime_checkable
 class TransferSink(Protocol):
     """The receiver side of the engine: turns a transfer id into the blocks reserved for it."""
 
@@ -102,6 +117,8 @@ class TransferOutcome:
     chunks_sent: int
     num_streams: int
     elapsed_s: float
+    data_plane: str = "grpc"
+    """What carried the bytes: "grpc" or "shm" (a data plane name of worker/kv_transfer/config.py)."""
 
     @property
     def ok(self) -> bool:

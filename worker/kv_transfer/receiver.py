@@ -6,6 +6,11 @@ TransferTarget; Commit checks that every (layer, block) cell arrived exactly onc
 target (its OK answer is the acknowledgement); Abort ends a transfer early. Every refusal is a gRPC
 status plus the FAILURE_METADATA_KEY trailing metadata naming the FailureReason.
 
+On the shared-memory plane (worker/kv_transfer/shm.py) Prepare checks the sender's offer by
+reading its probe back from the named segment; the Push streams then carry chunk headers with an
+offset into that segment, and each chunk is copied out into private memory, verified on the copy
+and written, under the same checks, faults and accounting as a chunk whose bytes came over gRPC.
+
 Requests are parsed by hand (codec.py), so a malformed or oversized message becomes
 INVALID_ARGUMENT (or gRPC's own RESOURCE_EXHAUSTED above the message limit), never a crash.
 """
@@ -45,6 +50,7 @@ from worker.kv_transfer.registry import (
     TransferRegistry,
     TransferState,
 )
+from worker.kv_transfer.shm import PROBE_BYTES, ScratchBuffers, SegmentReader, ShmError, copy_into, copy_out
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +123,8 @@ class KvTransferServer:
             clock=clock,
         )
         self._prepare_lock = threading.Lock()
+        self._segments = SegmentReader(max_mapped=self._config.shm_max_mapped)
+        self._scratch = ScratchBuffers()  # per Push-stream thread: copies out of segments land here
         self._stopping = threading.Event()
         self._server: grpc.Server | None = None
         self._reaper: threading.Thread | None = None
@@ -166,6 +174,7 @@ class KvTransferServer:
         self._registry.fail_all_open(TransferFailure(FailureReason.CANCELLED, "receiver stopped"))
         if self._reaper is not None:
             self._reaper.join()
+        self._segments.close()
         self._server = None
 
     def __enter__(self) -> KvTransferServer:
@@ -260,6 +269,7 @@ class KvTransferServer:
             _abort(context, TransferFailure(FailureReason.RESOURCE_EXHAUSTED, "refused by fault injection"))
         max_chunk_bytes = min(self._config.max_chunk_bytes, request.max_chunk_bytes or self._config.max_chunk_bytes)
         timeout_s = min(request.timeout_s, self._config.max_transfer_s)
+        segment = self._accept_shm(request) if request.HasField("shm_offer") else None
         with self._prepare_lock:
             existing = self._registry.open_record(transfer_id)
             if existing is not None:
@@ -296,13 +306,31 @@ class KvTransferServer:
             record = self._registry.add(transfer_id, request_id, target, target.num_blocks, max_chunk_bytes, timeout_s)
             assert checksum_algorithm is not None
             record.checksum_algorithm = checksum_algorithm
+            record.shm_segment = segment
             if faults is not None and faults.active:
                 record.faults = faults
         logger.debug("opened transfer %s for request %s (%d blocks)", transfer_id, request_id, target.num_blocks)
         return self._prepare_response(record, timeout_s)
 
+    def _accept_shm(self, request: pb.KvPrepareRequest) -> Any:
+        """The sender's segment, mapped, if this receiver takes the shared-memory plane and reads the
+        offer's probe back (same host, same shared-memory namespace, same user); None: gRPC."""
+        if self._config.data_plane == "grpc":
+            return None
+        offer = request.shm_offer
+        if len(offer.probe) != PROBE_BYTES:
+            return None
+        try:
+            segment = self._segments.open(offer.segment)
+            seen = copy_out(segment, offer.probe_offset, PROBE_BYTES)
+        except ShmError as error:
+            logger.debug("transfer %s: shared-memory offer not taken: %s", request.transfer_id, error)
+            return None
+        return segment if bytes(seen) == offer.probe else None
+
     def _prepare_response(self, record: TransferRecord, timeout_s: float) -> pb.KvPrepareResponse:
         return pb.KvPrepareResponse(
+            data_plane=pb.DATA_PLANE_SHM if record.shm_segment is not None else pb.DATA_PLANE_GRPC,
             layout=codec.layout_to_proto(record.layout),
             expected_num_blocks=record.num_blocks,
             max_chunk_bytes=record.max_chunk_bytes,
@@ -351,7 +379,7 @@ class KvTransferServer:
                     break
                 if result is Admission.WRITE:
                     accepted += 1
-                    accepted_bytes += len(chunk.data)
+                    accepted_bytes += header.byte_length
                 elif result is Admission.DUPLICATE:
                     duplicates += 1
         except grpc.RpcError:
@@ -388,8 +416,12 @@ class KvTransferServer:
         """Verify and write one chunk. Returns its admission, None if a fault dropped it, or the failure
         that ends the stream (and the transfer)."""
         header = chunk.header
+        in_shm = header.HasField("shm")
+        if in_shm and (record.shm_segment is None or len(chunk.data)):
+            return _protocol_error("a shared-memory chunk names no bytes of a segment this transfer accepted")
+        data_length = header.byte_length if in_shm else len(chunk.data)
         problem = codec.header_problem(
-            header, len(chunk.data), record.layout, record.num_blocks, record.max_chunk_bytes, record.checksum_algorithm
+            header, data_length, record.layout, record.num_blocks, record.max_chunk_bytes, record.checksum_algorithm
         )
         if problem is not None:
             return _protocol_error(problem)
@@ -407,22 +439,42 @@ class KvTransferServer:
             return admission
         failure: TransferFailure | None = None
         try:
-            actual = codec.checksum(chunk.data, record.checksum_algorithm)
+            if in_shm:
+                data, actual = self._copy_from_segment(record, header, data_length)
+            else:
+                data, actual = chunk.data, codec.checksum(chunk.data, record.checksum_algorithm)
             if actual != header.checksum:
                 failure = TransferFailure(
                     FailureReason.CHECKSUM_MISMATCH,
                     f"chunk {header.sequence}: checksum {actual:#x}, header says {header.checksum:#x}",
                 )
-            else:
-                record.target.write(header.layer_start, header.layer_end, header.block_start, header.block_end, chunk.data)
+            elif data is not None:
+                record.target.write(header.layer_start, header.layer_end, header.block_start, header.block_end, data)
         except TransferRejected as rejected:
             failure = rejected.failure
+        except ShmError as error:
+            failure = _protocol_error(str(error))
         except Exception as error:  # the engine's bug fails this transfer, not the server
             logger.exception("target.write() of transfer %s raised", record.transfer_id)
             failure = TransferFailure(FailureReason.INTERNAL, f"target write failed: {type(error).__name__}")
         finally:
-            self._registry.finish_write(record, len(chunk.data))
+            self._registry.finish_write(record, data_length)
         return failure if failure is not None else admission
+
+    def _copy_from_segment(
+        self, record: TransferRecord, header: pb.KvChunkHeader, length: int
+    ) -> tuple[memoryview | None, int]:
+        """Copy a shared-memory chunk out of the sender's segment and checksum the copy (the sender
+        can still write the segment; its checksum covers what it wrote). A TransferViewsTarget gets
+        the bytes straight into its storage (returns None: nothing left to write); otherwise they go
+        to this thread's scratch buffer, returned for `write`."""
+        views_of = getattr(record.target, "views", None)
+        views = views_of(header.layer_start, header.layer_end, header.block_start, header.block_end) if views_of else None
+        if views is not None:
+            copy_into(record.shm_segment, header.shm.offset, views)
+            return None, codec.checksum_parts(views, record.checksum_algorithm)
+        data = copy_out(record.shm_segment, header.shm.offset, length, self._scratch.get(length))
+        return data, codec.checksum(data, record.checksum_algorithm)
 
     def _apply_faults(self, record: TransferRecord, faults: Any) -> TransferFailure | None | bool:
         """Receiver-side faults; True: go on handling the chunk."""

@@ -93,6 +93,8 @@ class TransferRecord:
         self.checksum_algorithm = 0
         # Set by the server: the receiver-side faults armed for this transfer (None: none).
         self.faults: object | None = None
+        # Set by the server on the shared-memory plane: the sender's mapped segment (shm.py).
+        self.shm_segment: object | None = None
         self.chunks_received = 0
         self.bytes_received = 0
 

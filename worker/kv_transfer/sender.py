@@ -5,6 +5,14 @@ One push: Prepare (both sides check compatibility before a byte moves), then the
 `num_streams` parallel client streams spread over `num_connections` TCP connections, then Commit,
 whose OK answer is the receiver's acknowledgement. `push` blocks, may be called from any thread,
 and never raises for a transfer failure: it returns a TransferOutcome naming the FailureReason.
+
+Data planes (SenderConfig.data_plane): on the gRPC plane the chunk messages carry the bytes. On the
+shared-memory plane the push takes a pooled segment (worker/kv_transfer/shm.py), offers it at
+Prepare with a random probe written into it, and, if the receiver read the probe back (it runs on
+this host, as this user), writes each chunk into the segment and sends the same chunk messages with
+an offset instead of the bytes. Everything else (streams, checksums, faults, Commit, Abort) is the
+same on both planes; another plane (CUDA IPC, RDMA) would be one more way `_frames` places a chunk's
+bytes and Prepare negotiates it.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +40,7 @@ from worker.kv_transfer.ids import check_request_id, check_transfer_id
 from worker.kv_transfer.interfaces import StreamingTransferSource, TransferOutcome, TransferPartsSource, TransferSource
 from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
+from worker.kv_transfer.shm import PROBE_BYTES, Segment, SegmentPool, ShmError
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +63,9 @@ class _Connections:
 
     def __init__(self, channels: list[grpc.Channel]) -> None:
         self.channels = channels
+        # The receiver declined a shared-memory offer (another host, or gRPC only): later pushes to
+        # it take no segment from the pool for an offer it would decline again.
+        self.shm_declined = False
         first = channels[0]
         self.prepare = first.unary_unary(
             _PREPARE, request_serializer=pb.KvPrepareRequest.SerializeToString, response_deserializer=pb.KvPrepareResponse.FromString
@@ -83,7 +96,10 @@ class KvSender:
         security: TransportSecurity | None = None,
         faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shm_tag: str = "0",
     ) -> None:
+        """`shm_tag` names this cluster in shared-memory segment names, so that the launcher can sweep
+        them when the cluster stops (worker/kv_transfer/shm.py)."""
         self._config = config or SenderConfig()
         self._security = security or TransportSecurity()
         self._faults = faults
@@ -92,13 +108,41 @@ class KvSender:
         self._lock = threading.Lock()
         self._connections: OrderedDict[str, _Connections] = OrderedDict()
         self._closed = False
+        self._shm_tag = shm_tag
+        self._shm_pool: SegmentPool | None = None
+        self._shm_problem: str | None = None  # why this sender has no pool (it is not retried)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             connections, self._connections = list(self._connections.values()), OrderedDict()
+            pool = self._shm_pool
         for connection in connections:
             connection.close()
+        if pool is not None:
+            pool.close()
+
+    def shm_pool(self) -> SegmentPool:
+        """The shared-memory segment pool, created on first use; ShmError if there cannot be one."""
+        with self._lock:
+            if self._shm_pool is not None:
+                return self._shm_pool
+            if self._shm_problem is not None:
+                raise ShmError(self._shm_problem)
+            if self._closed:
+                raise ShmError("KvSender is closed")
+            config = self._config
+            try:
+                self._shm_pool = SegmentPool(
+                    tag=self._shm_tag,
+                    max_idle_bytes=config.shm_pool_bytes,
+                    max_segment_bytes=config.shm_max_segment_bytes,
+                    min_free_bytes=config.shm_min_free_bytes,
+                )
+            except (OSError, ValueError) as error:
+                self._shm_problem = f"no shared-memory pool: {error}"
+                raise ShmError(self._shm_problem) from error
+            return self._shm_pool
 
     def __enter__(self) -> KvSender:
         return self
@@ -172,9 +216,12 @@ class KvSender:
             chunks_sent=run.chunks_sent,
             num_streams=run.num_streams,
             elapsed_s=self._clock() - started_s,
+            data_plane=run.data_plane,
         )
         if failure is None:
-            logger.debug("pushed transfer %s: %d bytes in %.3f s", transfer_id, outcome.bytes_sent, outcome.elapsed_s)
+            logger.debug(
+                "pushed transfer %s: %d bytes in %.3f s over %s", transfer_id, outcome.bytes_sent, outcome.elapsed_s, run.data_plane
+            )
         else:
             logger.warning("push of transfer %s (request %s) failed: %s", transfer_id, request_id, failure)
         return outcome
@@ -209,6 +256,15 @@ class _PushRun:
         self.num_streams = 0
         self.checksum_algorithm = 0  # negotiated at Prepare
         self._next_sequence = 0  # the sequence number of the next chunk planned
+        self.data_plane = "grpc"
+        # The shared-memory segment of this push, while offered or in use. It goes back to the pool
+        # only when no stream thread writes into it: writers register under the condition's lock
+        # and check `finished` there, which is set before the release.
+        self._shm_cond = threading.Condition()
+        self._shm_writers = 0
+        self._shm_segment: Segment | None = None
+        self._shm_offsets: dict[int, int] = {}  # chunk sequence -> byte offset in the segment
+        self._shm_next_offset = 0  # where the next chunk planned goes in the segment
         self._read_parts = source.read_parts if isinstance(source, TransferPartsSource) else None
         # Finished stream calls, and None whenever a local failure is set.
         self._done: queue.Queue[grpc.Future | None] = queue.Queue()
@@ -250,7 +306,34 @@ class _PushRun:
             failure = self._execute(connections)
         finally:
             self.finished.set()
+            self._release_segment()
         return failure
+
+    def _offer_shm(self) -> pb.KvShmOffer | TransferFailure | None:
+        """Take a segment for this push and write the probe; None (or a failure when the plane is
+        forced) when shared memory cannot be used from this side."""
+        source = self.source
+        size_bytes = source.layout.run_bytes(source.layout.num_layers, source.num_blocks)
+        try:
+            segment = self.sender.shm_pool().acquire(size_bytes)
+        except ShmError as error:
+            if self.sender._config.data_plane == "shm":
+                return TransferFailure(FailureReason.INCOMPATIBLE, f"shared memory unavailable: {error}")
+            logger.debug("transfer %s goes over gRPC: %s", self.transfer_id, error)
+            return None
+        probe = secrets.token_bytes(PROBE_BYTES)
+        segment.write(0, (probe,))
+        with self._shm_cond:
+            self._shm_segment = segment
+        return pb.KvShmOffer(segment=segment.name, probe_offset=0, probe=probe)
+
+    def _release_segment(self) -> None:
+        """Back to the pool, once no stream thread writes it."""
+        with self._shm_cond:
+            segment, self._shm_segment = self._shm_segment, None
+            self._shm_cond.wait_for(lambda: self._shm_writers == 0)
+        if segment is not None:
+            self.sender.shm_pool().release(segment)
 
     def _execute(self, connections: _Connections) -> TransferFailure | None:
         metadata = self.sender._metadata
@@ -258,6 +341,10 @@ class _PushRun:
         config = self.sender._config
         if self.remaining_s() <= 0:
             return TransferFailure(FailureReason.DEADLINE_EXCEEDED, "deadline passed before prepare")
+        wants_shm = config.data_plane == "shm" or (config.data_plane == "auto" and not connections.shm_declined)
+        offer = self._offer_shm() if wants_shm else None
+        if isinstance(offer, TransferFailure):
+            return offer  # nothing opened on the receiver: its reservation's timeout releases it
         request = pb.KvPrepareRequest(
             transfer_id=self.transfer_id,
             request_id=self.request_id,
@@ -267,6 +354,7 @@ class _PushRun:
             max_chunk_bytes=config.max_chunk_bytes,
             timeout_s=self.remaining_s(),
             checksum_algorithms=config.checksum_algorithm_values,
+            shm_offer=offer,
         )
         try:
             answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
@@ -293,6 +381,16 @@ class _PushRun:
         self.checksum_algorithm = answer.checksum_algorithm
         chunk_bytes = min(config.max_chunk_bytes, answer.max_chunk_bytes or config.max_chunk_bytes)
         max_streams = min(config.num_streams, max(answer.max_streams, 1))
+        if answer.data_plane == pb.DATA_PLANE_SHM and offer is not None:
+            self.data_plane = "shm"
+        elif config.data_plane == "shm":
+            return self._fail(
+                connections, TransferFailure(FailureReason.INCOMPATIBLE, "the receiver cannot read this host's shared memory")
+            )
+        else:
+            if offer is not None:
+                connections.shm_declined = True
+            self._release_segment()
         # A streaming source (StreamingTransferSource) hands out its blocks as they become final:
         # each part is sent as soon as it is ready, and the commit follows the last one.
         wait_ready = source.wait_ready if isinstance(source, StreamingTransferSource) else None
@@ -340,6 +438,11 @@ class _PushRun:
         except ChunkPlanError as error:
             return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, str(error)))
         self._next_sequence += len(chunks)
+        if self.data_plane == "shm":
+            # Parts of a streamed push follow each other in the segment (sized for the whole KV).
+            for spec in chunks:
+                self._shm_offsets[spec.sequence] = self._shm_next_offset
+                self._shm_next_offset += spec.size_bytes(source.layout)
         streams = assign_streams(chunks, max_streams)
         self.num_streams = max(self.num_streams, len(streams))
         done = self._done
@@ -429,6 +532,34 @@ class _PushRun:
             return self._read_parts(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end)
         return (self.source.read(spec.layer_start, spec.layer_end, spec.block_start, spec.block_end),)
 
+    def _write_shm(
+        self, offset: int, parts: Sequence[memoryview | bytes | bytearray], size_bytes: int, *, corrupt: bool
+    ) -> int | None:
+        """Place a chunk's bytes in the segment and return their checksum, taken from the segment
+        right after the copy (the bytes are then in cache: one read of the source instead of two);
+        None when the stream must end (the push is over, or the write failed and became the push's
+        local failure). `corrupt` (fault injection) damages the bytes after the checksum."""
+        with self._shm_cond:
+            segment = self._shm_segment
+            if segment is None or self.finished.is_set():
+                return None
+            self._shm_writers += 1
+        try:
+            segment.write(offset, parts)
+            placed = segment.array[offset : offset + size_bytes]
+            data_checksum = codec.checksum(placed, self.checksum_algorithm)
+            if corrupt:
+                placed[size_bytes // 2] ^= 0xFF
+            return data_checksum
+        except Exception as error:  # a bug here fails this transfer, not the gRPC thread
+            logger.exception("writing transfer %s into shared memory failed", self.transfer_id)
+            self._set_local_failure(TransferFailure(FailureReason.INTERNAL, f"shared-memory write failed: {error}"))
+            return None
+        finally:
+            with self._shm_cond:
+                self._shm_writers -= 1
+                self._shm_cond.notify_all()
+
     def _frames(self, chunks: tuple[ChunkSpec, ...]) -> Iterator[bytes]:
         """The encoded chunks of one stream, with the sender-side faults applied. Runs in a gRPC
         thread: it never raises (a source error becomes the push's local failure and ends the stream)."""
@@ -472,13 +603,22 @@ class _PushRun:
                 # receiver records INTERNAL rather than a cut-off stream.
                 self.finished.wait(max(self.remaining_s(), 0.0))
                 return
-            data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
-            if chunk_faults.corrupt:
-                damaged = bytearray(b"".join(parts))
-                damaged[len(damaged) // 2] ^= 0xFF
-                parts = (damaged,)
-            header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
-            frame = codec.encode_chunk_parts(header, parts)
+            if self.data_plane == "shm":
+                offset = self._shm_offsets[spec.sequence]
+                data_checksum = self._write_shm(offset, parts, size_bytes, corrupt=chunk_faults.corrupt)
+                if data_checksum is None:
+                    return
+                header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
+                header.shm.offset = offset
+                frame = codec.encode_chunk(header, b"")
+            else:
+                data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
+                if chunk_faults.corrupt:
+                    damaged = bytearray(b"".join(parts))
+                    damaged[len(damaged) // 2] ^= 0xFF
+                    parts = (damaged,)
+                header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
+                frame = codec.encode_chunk_parts(header, parts)
             with self._lock:
                 self.chunks_sent += 1
                 self.bytes_sent += size_bytes

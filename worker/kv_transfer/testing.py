@@ -67,6 +67,14 @@ class MemoryTarget:
                 self.concurrent_writes -= 1
                 self.writes += 1
 
+    def views(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> tuple[memoryview, ...]:
+        """The storage of the range (TransferViewsTarget): what the shared-memory plane fills."""
+        with self._lock:
+            if self.state != "OPEN":
+                self.events.append(f"write-after-{self.state.lower()}")
+            self.writes += 1
+        return self.buffer.read_parts(layer_start, layer_end, block_start, block_end)
+
     def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         with self._on_end:
             with self._lock:
