@@ -91,8 +91,10 @@ def _engine(role: InstanceRole, case: Case) -> EngineConfig:
 
 def _instance(name: str, role: InstanceRole, case: Case, args) -> Instance:
     model = None if case.model == "default" else BUILTIN_PREFIX + case.model
+    plane = {"data_plane": case.data_plane}
     spec = InstanceSpec(
-        name, _engine(role, case), model=model, dtype=args.dtype, device=args.device, cluster_token=TOKEN, torch_threads=args.threads
+        name, _engine(role, case), model=model, dtype=args.dtype, device=args.device, cluster_token=TOKEN,
+        torch_threads=args.threads, sender=plane, receiver=plane,
     )
     return Instance(spec)
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-num-tokens", nargs="+", default=["512", "default"], help=f"tokens per step ('default': {DEFAULT_MAX_NUM_TOKENS})"
     )
-    parser.add_argument("--data-plane", nargs="+", choices=["grpc"], default=["grpc"])
+    parser.add_argument("--data-plane", nargs="+", choices=["grpc", "shm"], default=["grpc", "shm"])
     parser.add_argument("--reserve", nargs="+", choices=["at_context_start", "at_admission", "at_context_done"], default=["at_context_start"])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
@@ -203,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.prompt_tokens, args.max_num_tokens, args.repeats = ["default"], [512], ["512"], 3
+        args.data_plane = ["grpc"]
     for prompt_tokens in args.prompt_tokens:
         if not 0 < prompt_tokens <= MAX_SEQ_LEN - 8:
             parser.error(f"--prompt-tokens {prompt_tokens}: the built-in models hold {MAX_SEQ_LEN} positions")
