@@ -88,7 +88,10 @@ class InstanceSpec:
     cluster_token: str | None = None
     torch_threads: int | None = None
     faults: Mapping[str, Any] | None = None
-    push_threads: int = 2
+    # Pushes at once. A push mostly waits (on its streams, and a streaming one on its context's
+    # chunks), and one stuck behind others is a stalled hand-over: keep this well above the
+    # prefills an instance runs at once.
+    push_threads: int = 16
     sender: Mapping[str, Any] | None = None  # SenderConfig fields
     receiver: Mapping[str, Any] | None = None  # ReceiverConfig fields (host/port come from above)
     shm_tag: str = "0"  # this cluster's tag in shared-memory segment names (worker/kv_transfer/shm.py)
