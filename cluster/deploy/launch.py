@@ -83,6 +83,21 @@ def connect_ray(config: ClusterConfig) -> bool:
     return True
 
 
+def transfer_bind_host(config: ClusterConfig, nodes: list[dict[str, Any]]) -> str:
+    """The InstanceSpec.transfer_host of every instance (`nodes`: ray.nodes()).
+
+    `kv_transfer.bind_host` when set. Else 127.0.0.1 for the embedded cluster (no address to join,
+    and every alive node on one host): Ray reports the machine's routable address there too (it
+    replaces a node address of 127.0.0.1), and one host needs no more than loopback. Else "auto",
+    each actor's own node address, which the other nodes reach."""
+    bind_host = config.kv_transfer.get("bind_host")
+    if bind_host:
+        return str(bind_host)
+    joined = bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+    hosts = {node.get("NodeManagerAddress") for node in nodes if node.get("Alive", True)}
+    return "127.0.0.1" if not joined and len(hosts) <= 1 else "auto"
+
+
 def _demand(planned: PlannedInstance) -> dict[str, float]:
     demand = {"CPU": planned.group.num_cpus, **dict(planned.group.resources)}
     if planned.num_gpus:
@@ -155,6 +170,7 @@ class Deployment:
         check_resources(planned, ray.nodes(), ray.cluster_resources())
         remote_class = ray.remote(Instance)
         strategy = "SPREAD" if self.config.placement_strategy == "spread" else "DEFAULT"
+        transfer_host = transfer_bind_host(self.config, ray.nodes())
         pending = {}
         for item in planned:
             spec = InstanceSpec(
@@ -163,7 +179,7 @@ class Deployment:
                 model=self.config.model,
                 dtype=self.config.dtype,
                 device=self.config.device,
-                transfer_host="auto",  # each actor binds to its own node's address
+                transfer_host=transfer_host,
                 cluster_token=self.cluster_token,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,

@@ -231,3 +231,25 @@ def test_a_set_written_as_a_list_must_not_repeat() -> None:
     with pytest.raises(ConfigError) as info:
         RouterConfig.from_dict({"placement": {"allowed_fallbacks": ["colocate_always"]}})
     assert "'colocate_always' (entry 0)" in info.value.detail
+
+
+def test_kv_receivers_bind_loopback_in_the_embedded_cluster_else_their_node_or_bind_host(monkeypatch) -> None:
+    from cluster.deploy.launch import transfer_bind_host
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    one_host = [{"NodeManagerAddress": "192.0.2.2", "Alive": True}] * 3  # Ray reports the routable address
+    two_hosts = [{"NodeManagerAddress": "10.0.0.5", "Alive": True}, {"NodeManagerAddress": "10.0.0.6", "Alive": True}]
+    assert transfer_bind_host(ClusterConfig.from_dict({}), one_host) == "127.0.0.1"  # duet starts its own Ray
+    assert transfer_bind_host(ClusterConfig.from_dict({}), two_hosts) == "auto"  # a caller joined several hosts
+    gone = [*one_host, {"NodeManagerAddress": "10.0.0.6", "Alive": False}]
+    assert transfer_bind_host(ClusterConfig.from_dict({}), gone) == "127.0.0.1"
+    joined = {"ray": {"address": "10.0.0.5:6379"}}
+    assert transfer_bind_host(ClusterConfig.from_dict(joined), one_host) == "auto"  # each node's own address
+    with_host = {**joined, "kv_transfer": {"bind_host": "10.1.2.3"}}
+    assert transfer_bind_host(ClusterConfig.from_dict(with_host), two_hosts) == "10.1.2.3"
+    assert transfer_bind_host(ClusterConfig.from_dict({"kv_transfer": {"bind_host": "0.0.0.0"}}), one_host) == "0.0.0.0"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert transfer_bind_host(ClusterConfig.from_dict({}), one_host) == "auto"
+    with pytest.raises(ConfigError) as raised:
+        ClusterConfig.from_dict({"kv_transfer": {"bind_host": ""}})
+    assert "kv_transfer.bind_host" in str(raised.value)

@@ -114,6 +114,9 @@ class KvTransferConfig(_TransferSection, frozen=True):
     """The `kv_transfer:` section of the cluster configuration (its instances get the parts as
     plain data; host and port of the receiver are set per instance)."""
 
+    bind_host: Annotated[str, Meta(min_length=1)] | None = None
+    """Address every instance's KV transfer server binds. None: 127.0.0.1 in the embedded
+    single-host cluster, each node's own address in a multi-host one (cluster/deploy/launch.py)."""
     sender: SenderConfig = SenderConfig()
     """Settings of every prefill (or mixed) instance's sender."""
     receiver: ReceiverConfig = ReceiverConfig()
