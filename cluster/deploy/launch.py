@@ -12,11 +12,16 @@ import os
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.router.instance_client import RayInstanceClient
+from worker.config import load_config
+from worker.kv_transfer.config import KvTransferConfig
 from worker.protocol import Encoder, InstanceRole, Ping
+
+if TYPE_CHECKING:
+    from worker.kv_transfer.certificates import DeploymentCa
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +98,24 @@ def transfer_bind_host(config: ClusterConfig, nodes: list[dict[str, Any]]) -> st
     bind_host = config.kv_transfer.get("bind_host")
     if bind_host:
         return str(bind_host)
-    joined = bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
     hosts = {node.get("NodeManagerAddress") for node in nodes if node.get("Alive", True)}
-    return "127.0.0.1" if not joined and len(hosts) <= 1 else "auto"
+    return "127.0.0.1" if not _joined(config) and len(hosts) <= 1 else "auto"
+
+
+def transfer_tls_wanted(config: ClusterConfig, nodes: list[dict[str, Any]]) -> bool:
+    """Whether every KV transfer of the deployment is mutual TLS (`kv_transfer.tls`, `nodes`:
+    ray.nodes()). auto: yes when a transfer can go from one Ray node to another, that is when more
+    than one node is alive or the cluster was joined by address (nodes may join later); no on a
+    lone embedded node, where a transfer never leaves the process's host. off: never."""
+    return config.kv_transfer.get("tls", "auto") != "off" and _spans_nodes(config, nodes)
+
+
+def _joined(config: ClusterConfig) -> bool:
+    return bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def _spans_nodes(config: ClusterConfig, nodes: list[dict[str, Any]]) -> bool:
+    return _joined(config) or sum(1 for node in nodes if node.get("Alive", True)) > 1
 
 
 def _demand(planned: PlannedInstance) -> dict[str, float]:
@@ -153,6 +173,8 @@ class Deployment:
         self.deployment_id = secrets.token_hex(3)  # in actor names, so deployments never clash
         self.clients: dict[str, RayInstanceClient] = {}
         self._started_ray = False
+        # The public certificate of the KV transfer CA when transfers are mTLS (its key is never kept).
+        self.transfer_ca_pem: bytes | None = None
 
     def connect(self) -> None:
         """Connect to (or start) Ray. Call it from the main thread: Ray installs signal handlers."""
@@ -170,7 +192,9 @@ class Deployment:
         check_resources(planned, ray.nodes(), ray.cluster_resources())
         remote_class = ray.remote(Instance)
         strategy = "SPREAD" if self.config.placement_strategy == "spread" else "DEFAULT"
-        transfer_host = transfer_bind_host(self.config, ray.nodes())
+        nodes = ray.nodes()
+        transfer_host = transfer_bind_host(self.config, nodes)
+        transfer_ca = self._transfer_ca(nodes)
         pending = {}
         for item in planned:
             spec = InstanceSpec(
@@ -181,6 +205,7 @@ class Deployment:
                 device=self.config.device,
                 transfer_host=transfer_host,
                 cluster_token=self.cluster_token,
+                transfer_tls=transfer_ca.issue(item.instance_id) if transfer_ca is not None else None,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,
                 sender=self.config.kv_transfer.get("sender"),
@@ -218,6 +243,25 @@ class Deployment:
         self.clients = {iid: RayInstanceClient(iid, actor) for iid, actor in self.actors.items()}
         logger.info("started %d instances: %s", len(self.actors), ", ".join(self.actors))
         return list(self.clients.values())
+
+    def _transfer_ca(self, nodes: list[dict[str, Any]]) -> DeploymentCa | None:
+        """This deployment's KV transfer CA when its transfers are mTLS, else None. The CA (and so
+        its key) lives only in this call's caller: certificates are issued at deploy time, here."""
+        if not transfer_tls_wanted(self.config, nodes):
+            if _spans_nodes(self.config, nodes):
+                logger.warning(
+                    "kv_transfer.tls is off: KV cache moves between Ray nodes in plain TCP "
+                    "(readable and alterable by anyone on the network path; the cluster token still authenticates)"
+                )
+            self.transfer_ca_pem = None
+            return None
+        from worker.kv_transfer.certificates import DeploymentCa
+
+        validity_days = load_config(KvTransferConfig, self.config.kv_transfer).tls_validity_days
+        ca = DeploymentCa(self.deployment_id, validity_days=validity_days)
+        self.transfer_ca_pem = ca.root_pem
+        logger.info("KV transfers are mutual TLS: a deployment CA issued each instance a certificate (%d days)", validity_days)
+        return ca
 
     def stop(self) -> None:
         import ray

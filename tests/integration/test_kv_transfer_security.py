@@ -591,3 +591,26 @@ def test_mutual_tls_admits_only_peers_signed_by_the_cluster_ca() -> None:
                 _unary(plain, "Prepare", pb.KvPrepareResponse)(b"", timeout=2.0)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
         assert receiver.is_alive()
+
+
+def test_deployment_ca_certificates_carry_a_push_and_another_deployments_do_not() -> None:
+    from worker.kv_transfer.certificates import DeploymentCa
+
+    ca, other = DeploymentCa("d1"), DeploymentCa("d2")
+    with ReceiverProcess(config={"max_chunk_bytes": CHUNK_LIMIT}, tls=ca.issue("generation-0")) as receiver:
+        source = LinearKvBuffer(LAYOUT, NUM_BLOCKS, bytearray(random.Random(11).randbytes(LAYOUT.run_bytes(2, NUM_BLOCKS))))
+
+        def push(tls: TlsConfig) -> tuple:
+            transfer_id = new_transfer_id()
+            receiver.expect(transfer_id, "ca", LAYOUT, NUM_BLOCKS)
+            with KvSender(SenderConfig(max_chunk_bytes=CHUNK_LIMIT), security=TransportSecurity(tls=tls)) as sender:
+                # The receiver's address is an IP: the certificate names TRANSFER_SERVER_NAME instead.
+                return sender.push(receiver.address, transfer_id, "ca", source, 5.0), transfer_id
+
+        outcome, transfer_id = push(ca.issue("prefill-0"))
+        assert outcome.ok, outcome.failure
+        assert receiver.received_bytes(transfer_id)[1] == bytes(source.view)
+        outcome, transfer_id = push(other.issue("prefill-0"))
+        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
+        assert receiver.result(transfer_id, wait_s=0.0).state == "UNOPENED"
+        assert receiver.is_alive()

@@ -253,3 +253,21 @@ def test_kv_receivers_bind_loopback_in_the_embedded_cluster_else_their_node_or_b
     with pytest.raises(ConfigError) as raised:
         ClusterConfig.from_dict({"kv_transfer": {"bind_host": ""}})
     assert "kv_transfer.bind_host" in str(raised.value)
+
+
+def test_kv_transfers_are_mtls_as_soon_as_they_can_cross_ray_nodes(monkeypatch) -> None:
+    from cluster.deploy.launch import transfer_tls_wanted
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    lone = [{"NodeManagerAddress": "192.0.2.2", "Alive": True}, {"NodeManagerAddress": "192.0.2.3", "Alive": False}]
+    several = [{"NodeManagerAddress": "127.0.0.1", "Alive": True}] * 2  # two Ray nodes on one host are two nodes
+    assert not transfer_tls_wanted(ClusterConfig.from_dict({}), lone)
+    assert transfer_tls_wanted(ClusterConfig.from_dict({}), several)
+    assert transfer_tls_wanted(ClusterConfig.from_dict({"ray": {"address": "10.0.0.5:6379"}}), lone)  # nodes may join
+    assert not transfer_tls_wanted(ClusterConfig.from_dict({"kv_transfer": {"tls": "off"}}), several)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert transfer_tls_wanted(ClusterConfig.from_dict({}), lone)
+    for bad in ({"tls": "on"}, {"tls": True}, {"tls_validity_days": 0}):
+        with pytest.raises(ConfigError) as raised:
+            ClusterConfig.from_dict({"kv_transfer": bad})
+        assert f"kv_transfer.{next(iter(bad))}" in str(raised.value)

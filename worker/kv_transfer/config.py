@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta
 
@@ -117,6 +117,13 @@ class KvTransferConfig(_TransferSection, frozen=True):
     bind_host: Annotated[str, Meta(min_length=1)] | None = None
     """Address every instance's KV transfer server binds. None: 127.0.0.1 in the embedded
     single-host cluster, each node's own address in a multi-host one (cluster/deploy/launch.py)."""
+    tls: Literal["auto", "off"] = "auto"
+    """Mutual TLS between instances. auto: when the Ray cluster has more than one node (or was
+    joined by address), the deployer makes a per-deployment CA and gives every instance a
+    certificate from it, and every transfer is mTLS; on a single node, plain TCP. off: plain TCP
+    everywhere (logged as a warning when the cluster spans nodes)."""
+    tls_validity_days: Annotated[int, Meta(ge=1, le=3650)] = 365
+    """Lifetime of the generated certificates, in days: longer than the deployment is expected to run."""
     sender: SenderConfig = SenderConfig()
     """Settings of every prefill (or mixed) instance's sender."""
     receiver: ReceiverConfig = ReceiverConfig()
