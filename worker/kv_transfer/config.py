@@ -167,7 +167,12 @@ def grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # A peer that restarts is retried soon (100 ms, backing off to 2 s) ...
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # ... but each connection attempt gets this long: despite its name, gRPC core reads this
+        # option as the minimum connect timeout (TCP connect, TLS handshake, HTTP/2 SETTINGS). At
+        # 100 ms, mTLS handshakes on a loaded host timed out ("connection attempt timed out before
+        # receiving SETTINGS frame"); a call's own deadline still bounds the wait.
+        ("grpc.min_reconnect_backoff_ms", 10_000),
     ]
