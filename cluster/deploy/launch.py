@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +65,13 @@ def connect_ray(config: ClusterConfig) -> bool:
     """Join the cluster at ray.address / RAY_ADDRESS, or start an embedded local one pinned to
     127.0.0.1 with the dashboard (and its job API) off or on loopback. Returns True if this call
     started Ray (and so should shut it down)."""
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        keep_ray_on_loopback()
     import ray
 
     if ray.is_initialized():
         return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
@@ -86,6 +89,33 @@ def connect_ray(config: ClusterConfig) -> bool:
         configure_logging=False,
     )
     return True
+
+
+# Ray's switch for clusters on Windows and macOS. At "0" Ray takes 127.0.0.1 as the node's
+# address instead of the machine's routable one, so that its own listeners (GCS, raylet, object
+# manager, workers' gRPC servers, the dashboard agent and its metrics and job ports, the runtime
+# env agent) bind loopback, and no other node can join. Read when Ray is imported.
+RAY_SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback() -> bool:
+    """Before an embedded Ray starts: tell Ray (and the processes it spawns, through the
+    environment) to keep every listener on 127.0.0.1. True if it will; False if Ray was imported
+    before this could take effect, or the environment asks otherwise (then Ray's own listeners
+    follow the machine's address, which README's security section says how to firewall)."""
+    if sys.modules.get("ray") is None:
+        os.environ.setdefault(RAY_SINGLE_HOST_ENV, "0")
+    on_loopback = os.environ.get(RAY_SINGLE_HOST_ENV) == "0"
+    if on_loopback and sys.modules.get("ray") is not None:
+        from ray._private import ray_constants  # the constant Ray computed when it was imported
+
+        on_loopback = not getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    if not on_loopback:
+        logger.warning(
+            "Ray's own listeners will bind this machine's address, not 127.0.0.1 (set %s=0 before Ray is imported)",
+            RAY_SINGLE_HOST_ENV,
+        )
+    return on_loopback
 
 
 def transfer_bind_host(config: ClusterConfig, nodes: list[dict[str, Any]]) -> str:

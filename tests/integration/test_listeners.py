@@ -1,6 +1,6 @@
 """The embedded single-host cluster listens on loopback only: every listener duet owns (the gRPC
-front end, the OpenAI HTTP API, the metrics port, each instance's KV receiver) is bound to
-127.0.0.1, read from the kernel's socket table of the cluster's processes (the probe process,
+front end, the OpenAI HTTP API, the metrics port, each instance's KV receiver), and every one of
+Ray's that duet starts (GCS, raylet, workers, agents), is bound to 127.0.0.1, read from the kernel's socket table of the cluster's processes (the probe process,
 where the front end and the router run, and Ray's actor processes, where the instances run). The
 probe starts its own Ray in a process of its own, as `duet serve` does."""
 
@@ -87,6 +87,29 @@ def _cluster_pids() -> set[int]:
     return pids
 
 
+def _descendants(root: int) -> dict[int, str]:
+    """Pid -> command name of `root` and every process under it (the Ray it started: GCS, raylet,
+    agents, workers), whoever else runs Ray on this machine."""
+    parents, names = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        names[int(entry.name)] = command.rsplit("/", 1)[-1] or stat.split("(", 1)[1].split(")", 1)[0]
+    found = {root}
+    grew = True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in found} - found
+        found |= children
+        grew = bool(children)
+    return {pid: names.get(pid, "?") for pid in found}
+
+
 def _probe() -> dict[str, object]:
     """Start the cluster, send one request, and report each duet-owned listener: its port, the
     address it advertises (KV receivers) and the addresses its sockets are bound to."""
@@ -122,7 +145,17 @@ def _probe() -> dict[str, object]:
         ours = {inode for pid in _cluster_pids() for inode in _socket_inodes(pid)} & set(listening)
         for entry in owned.values():
             entry["bound"] = sorted({listening[inode][0] for inode in ours if listening[inode][1] == entry["port"]})
-    return {"tokens": tokens, "owned": owned}
+        # Everything else the cluster's own processes listen on: Ray's.
+        owned_ports = {entry["port"] for entry in owned.values()}
+        ray_listeners = sorted(
+            {
+                (name, *listening[inode])
+                for pid, name in _descendants(os.getpid()).items()
+                for inode in _socket_inodes(pid) & set(listening)
+                if listening[inode][1] not in owned_ports
+            }
+        )
+    return {"tokens": tokens, "owned": owned, "ray": ray_listeners}
 
 
 def test_every_listener_duet_owns_is_on_loopback() -> None:
@@ -144,6 +177,10 @@ def test_every_listener_duet_owns_is_on_loopback() -> None:
         assert entry.get("advertised", "127.0.0.1") == "127.0.0.1", f"{name} advertises {entry['advertised']}"
         assert entry["bound"], f"{name} (port {entry['port']}) is not listening in any of the cluster's processes"
         assert entry["bound"] == ["127.0.0.1"], f"{name} (port {entry['port']}) listens on {entry['bound']}"
+    # Ray is told to keep its own listeners on loopback too (cluster/deploy/launch.py keep_ray_on_loopback).
+    assert report["ray"], "found none of Ray's listeners"
+    off_loopback = [listener for listener in report["ray"] if listener[1] != "127.0.0.1"]
+    assert not off_loopback, f"Ray listens off loopback: {off_loopback}"
 
 
 if __name__ == "__main__":
