@@ -271,3 +271,22 @@ def test_kv_transfers_are_mtls_as_soon_as_they_can_cross_ray_nodes(monkeypatch) 
         with pytest.raises(ConfigError) as raised:
             ClusterConfig.from_dict({"kv_transfer": bad})
         assert f"kv_transfer.{next(iter(bad))}" in str(raised.value)
+
+
+def test_the_deployment_ca_is_made_only_for_mtls_and_tls_off_is_a_warning(monkeypatch, caplog) -> None:
+    import logging
+
+    from cluster.deploy.launch import Deployment
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    several = [{"NodeManagerAddress": "127.0.0.1", "Alive": True}] * 2
+    deployment = Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls_validity_days": 30}}))
+    ca = deployment._transfer_ca(several)
+    assert ca is not None and deployment.transfer_ca_pem == ca.root_pem
+    assert ca.issue("prefill-0").root_certificates_pem == deployment.transfer_ca_pem
+    lone = Deployment(ClusterConfig.from_dict({}))
+    assert lone._transfer_ca(several[:1]) is None and lone.transfer_ca_pem is None
+    off = Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls": "off"}}))
+    with caplog.at_level(logging.WARNING, logger="cluster.deploy.launch"):
+        assert off._transfer_ca(several) is None
+    assert any("kv_transfer.tls is off" in record.getMessage() for record in caplog.records)
