@@ -1,8 +1,8 @@
 """A per-deployment certificate authority for the KV transfer path's mutual TLS.
 
-When no certificates are configured, the deploying process creates one `DeploymentCa` and issues
-every instance a key and a certificate from it (`issue`); the instances get them in their spec, as
-they get the cluster token. The CA's private key stays in the deploying process's memory: it is
+When a deployment's transfers can cross Ray nodes (`kv_transfer.tls: auto`, cluster/deploy/launch.py),
+the deploying process creates one `DeploymentCa` and issues every instance a key and a certificate
+from it (`issue`) at deploy time; the instances get them in their spec, as they get the cluster token. The CA's private key stays in the deploying process's memory: it is
 never serialised, so no instance (and no file) ever holds it, and nobody can issue another
 certificate of this deployment once the deployer is gone.
 
