@@ -145,6 +145,63 @@ class BareGrpc:
             channel.close()
 
 
+def tls_cost(
+    layout: KvLayout, source: LinearKvBuffer, sender_config: SenderConfig, receiver_config: dict, repetitions: int
+) -> dict[str, object]:
+    """The cost of the KV path's mutual TLS (what transfers between Ray nodes use by default): the
+    same push to a plain and to an mTLS receiver (certificates of a DeploymentCa, as a deployment
+    issues them), interleaved per repetition so that load hits both alike. Medians in GB/s."""
+    from worker.kv_transfer.certificates import DeploymentCa
+    from worker.kv_transfer.config import TransportSecurity
+
+    ca = DeploymentCa("bench")
+    num_blocks = source.num_blocks
+    times: dict[str, list[float]] = {"plain": [], "tls": []}
+    plain_receiver = ReceiverProcess(config=receiver_config)
+    tls_receiver = ReceiverProcess(config=receiver_config, tls=ca.issue("receiver"))
+    with (
+        plain_receiver,
+        tls_receiver,
+        KvSender(sender_config) as plain_sender,
+        KvSender(sender_config, security=TransportSecurity(tls=ca.issue("sender"))) as tls_sender,
+    ):
+        paths = {"plain": (plain_receiver, plain_sender), "tls": (tls_receiver, tls_sender)}
+        for repetition in range(repetitions + 1):  # the first round warms connections and handshakes
+            for name, (receiver, sender) in paths.items():
+                transfer_id = new_transfer_id()
+                receiver.expect(transfer_id, f"tls-cost-{repetition}", layout, num_blocks)
+                start = time.perf_counter()
+                outcome = sender.push(receiver.address, transfer_id, f"tls-cost-{repetition}", source, deadline_s=120.0)
+                elapsed_s = time.perf_counter() - start
+                if not outcome.ok:
+                    raise RuntimeError(f"{name} push failed: {outcome.failure}")
+                receiver.result(transfer_id, wait_s=10.0)
+                receiver.release(transfer_id)
+                if repetition:
+                    times[name].append(elapsed_s)
+            if repetition:
+                progress(f"  tls rep {repetition}: " + ", ".join(f"{n} {source.size_bytes / t[-1] / 1e9:.3f} GB/s" for n, t in times.items()))
+    plain_gbps = source.size_bytes / statistics.median(times["plain"]) / 1e9
+    tls_gbps = source.size_bytes / statistics.median(times["tls"]) / 1e9
+    # Per-repetition ratios (each pair ran back to back, under about the same load).
+    ratios = [plain_s / tls_s for plain_s, tls_s in zip(times["plain"], times["tls"], strict=True)]
+    print()
+    print_table(
+        ["KV path", "GB/s", "per-rep min", "per-rep max"],
+        [
+            ("duet gRPC, plain TCP", plain_gbps, "", ""),
+            ("duet gRPC, mutual TLS (deployment CA)", tls_gbps, "", ""),
+            ("TLS / plain", tls_gbps / plain_gbps, min(ratios), max(ratios)),
+        ],
+    )
+    return {
+        "plain_gbps": round(plain_gbps, 4),
+        "tls_gbps": round(tls_gbps, 4),
+        "ratio_tls_vs_plain": round(tls_gbps / plain_gbps, 4),
+        "ratio_tls_vs_plain_range": [round(min(ratios), 4), round(max(ratios), 4)],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="32 MiB, 3 repetitions")
@@ -154,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=SenderConfig().num_connections)
     parser.add_argument("--chunk-mib", type=float, default=SenderConfig().max_chunk_bytes / MIB)
     parser.add_argument("--checksum", choices=sorted(CHECKSUMS), default="xxh3_64", help="the only algorithm the sender offers")
+    parser.add_argument("--no-tls", action="store_true", help="skip the mutual TLS cost section")
     parser.add_argument(
         "--no-tune-malloc", action="store_true", help="keep glibc's malloc defaults (worker/kv_transfer/malloc_tuning.py)"
     )
@@ -260,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             ("duet / bare gRPC", duet_gbps / bare_gbps, "", ""),
         ],
     )
+    receiver_config = {"max_chunk_bytes": max(chunk_bytes, 64 * 1024), "max_streams_per_transfer": max(args.streams, 1)}
+    tls_figures = {} if args.no_tls else tls_cost(layout, source, sender_config, receiver_config, repetitions)
     figures = {
         "size_mib": round(size_bytes / MIB, 1),
         "chunk_mib": chunk_bytes / MIB,
@@ -278,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_grpc_vs_raw_tcp_range": [round(min(ratios), 4), round(max(ratios), 4)],
         "ratio_bare_grpc_vs_raw_tcp": round(bare_ratio, 4),
         "ratio_grpc_vs_bare_grpc": round(duet_gbps / bare_gbps, 4),
+        **{f"tls_cost_{name}": value for name, value in tls_figures.items()},
     }
     targets = {"ratio_grpc_vs_raw_tcp": Target(ratio, TARGET_RATIO, higher_is_better=True)}
     if not args.no_planes:

@@ -31,6 +31,7 @@ from worker.engine_types import EngineConfig
 from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransportSecurity
 from worker.kv_transfer.failures import FailureReason, TransferFailure
 from worker.kv_transfer.faults import FaultInjector
+from worker.kv_transfer.tls import TlsConfig
 from worker.protocol import (
     Abort,
     Ack,
@@ -86,6 +87,9 @@ class InstanceSpec:
     transfer_host: str = "127.0.0.1"  # "auto": this node's Ray address (loopback outside Ray)
     transfer_port: int = 0
     cluster_token: str | None = None
+    # Mutual TLS of the KV transfer path (this instance's key and certificate, the deployment's CA),
+    # handed over as the token is; None: plain TCP (one node, or `kv_transfer.tls: off`).
+    transfer_tls: TlsConfig | None = None
     torch_threads: int | None = None
     faults: Mapping[str, Any] | None = None
     # Pushes at once. A push mostly waits (on its streams, and a streaming one on its context's
@@ -211,7 +215,7 @@ class Instance:
             before_forward=self._publish_planned,
         )
         self.incarnation = uuid.uuid4().hex
-        security = TransportSecurity(token=spec.cluster_token)
+        security = TransportSecurity(token=spec.cluster_token, tls=spec.transfer_tls)
         role = spec.role
         self.receiver = None
         self.sender = None

@@ -13,7 +13,8 @@
               http_port: 8000, served_model_name: null, chat_template: null}
     cluster_token: null    # shared secret of the KV transfer path; generated when null
     faults: null           # a fault plan (worker/kv_transfer/faults.py) for chaos runs; off by default
-    kv_transfer: {data_plane: auto, sender: {num_streams: 4, num_connections: 4, max_chunk_bytes: 4194304, checksum_algorithms: [XXH3_64, CRC32]}, receiver: {max_open_transfers: 16}}
+    kv_transfer: {data_plane: auto, sender: {num_streams: 4, num_connections: 4, max_chunk_bytes: 4194304, checksum_algorithms: [XXH3_64, CRC32]},
+                  receiver: {max_open_transfers: 16}, bind_host: null, tls: auto, tls_validity_days: 365}
     ray: {address: null, num_cpus: null, dashboard_host: 127.0.0.1, include_dashboard: false}
 
 Per instance group: `num_cpus` (fractions allowed, so 2 PREFILL + 2 GENERATION fit on 2 CPUs),

@@ -11,13 +11,19 @@ import logging
 import os
 import re
 import secrets
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.router.instance_client import RayInstanceClient
+from worker.config import load_config
 from worker.kv_transfer import shm
+from worker.kv_transfer.config import KvTransferConfig
 from worker.protocol import Encoder, InstanceRole, Ping
+
+if TYPE_CHECKING:
+    from worker.kv_transfer.certificates import DeploymentCa
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +66,13 @@ def connect_ray(config: ClusterConfig) -> bool:
     """Join the cluster at ray.address / RAY_ADDRESS, or start an embedded local one pinned to
     127.0.0.1 with the dashboard (and its job API) off or on loopback. Returns True if this call
     started Ray (and so should shut it down)."""
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        keep_ray_on_loopback()
     import ray
 
     if ray.is_initialized():
         return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, namespace=config.ray.namespace, log_to_driver=True)
@@ -82,6 +90,63 @@ def connect_ray(config: ClusterConfig) -> bool:
         configure_logging=False,
     )
     return True
+
+
+# Ray's switch for clusters on Windows and macOS. At "0" Ray takes 127.0.0.1 as the node's
+# address instead of the machine's routable one, so that its own listeners (GCS, raylet, object
+# manager, workers' gRPC servers, the dashboard agent and its metrics and job ports, the runtime
+# env agent) bind loopback, and no other node can join. Read when Ray is imported.
+RAY_SINGLE_HOST_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_ray_on_loopback() -> bool:
+    """Before an embedded Ray starts: tell Ray (and the processes it spawns, through the
+    environment) to keep every listener on 127.0.0.1. True if it will; False if Ray was imported
+    before this could take effect, or the environment asks otherwise (then Ray's own listeners
+    follow the machine's address, which README's security section says how to firewall)."""
+    if sys.modules.get("ray") is None:
+        os.environ.setdefault(RAY_SINGLE_HOST_ENV, "0")
+    on_loopback = os.environ.get(RAY_SINGLE_HOST_ENV) == "0"
+    if on_loopback and sys.modules.get("ray") is not None:
+        from ray._private import ray_constants  # the constant Ray computed when it was imported
+
+        on_loopback = not getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    if not on_loopback:
+        logger.warning(
+            "Ray's own listeners will bind this machine's address, not 127.0.0.1 (set %s=0 before Ray is imported)",
+            RAY_SINGLE_HOST_ENV,
+        )
+    return on_loopback
+
+
+def transfer_bind_host(config: ClusterConfig, nodes: list[dict[str, Any]]) -> str:
+    """The InstanceSpec.transfer_host of every instance (`nodes`: ray.nodes()).
+
+    `kv_transfer.bind_host` when set. Else 127.0.0.1 for the embedded cluster (no address to join,
+    and every alive node on one host): Ray reports the machine's routable address there too (it
+    replaces a node address of 127.0.0.1), and one host needs no more than loopback. Else "auto",
+    each actor's own node address, which the other nodes reach."""
+    bind_host = config.kv_transfer.get("bind_host")
+    if bind_host:
+        return str(bind_host)
+    hosts = {node.get("NodeManagerAddress") for node in nodes if node.get("Alive", True)}
+    return "127.0.0.1" if not _joined(config) and len(hosts) <= 1 else "auto"
+
+
+def transfer_tls_wanted(config: ClusterConfig, nodes: list[dict[str, Any]]) -> bool:
+    """Whether every KV transfer of the deployment is mutual TLS (`kv_transfer.tls`, `nodes`:
+    ray.nodes()). auto: yes when a transfer can go from one Ray node to another, that is when more
+    than one node is alive or the cluster was joined by address (nodes may join later); no on a
+    lone embedded node, where a transfer never leaves the process's host. off: never."""
+    return config.kv_transfer.get("tls", "auto") != "off" and _spans_nodes(config, nodes)
+
+
+def _joined(config: ClusterConfig) -> bool:
+    return bool(config.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def _spans_nodes(config: ClusterConfig, nodes: list[dict[str, Any]]) -> bool:
+    return _joined(config) or sum(1 for node in nodes if node.get("Alive", True)) > 1
 
 
 def _demand(planned: PlannedInstance) -> dict[str, float]:
@@ -143,6 +208,8 @@ class Deployment:
         self.deployment_id = secrets.token_hex(3)  # in actor names, so deployments never clash
         self.clients: dict[str, RayInstanceClient] = {}
         self._started_ray = False
+        # The public certificate of the KV transfer CA when transfers are mTLS (its key is never kept).
+        self.transfer_ca_pem: bytes | None = None
 
     def connect(self) -> None:
         """Connect to (or start) Ray. Call it from the main thread: Ray installs signal handlers."""
@@ -160,6 +227,9 @@ class Deployment:
         check_resources(planned, ray.nodes(), ray.cluster_resources())
         remote_class = ray.remote(Instance)
         strategy = "SPREAD" if self.config.placement_strategy == "spread" else "DEFAULT"
+        nodes = ray.nodes()
+        transfer_host = transfer_bind_host(self.config, nodes)
+        transfer_ca = self._transfer_ca(nodes)
         pending = {}
         for item in planned:
             spec = InstanceSpec(
@@ -168,8 +238,9 @@ class Deployment:
                 model=self.config.model,
                 dtype=self.config.dtype,
                 device=self.config.device,
-                transfer_host="auto",  # each actor binds to its own node's address
+                transfer_host=transfer_host,
                 cluster_token=self.cluster_token,
+                transfer_tls=transfer_ca.issue(item.instance_id) if transfer_ca is not None else None,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,
                 sender=self._kv_section("sender"),
@@ -216,6 +287,25 @@ class Deployment:
         if data_plane is None:
             return section
         return {**(section or {}), "data_plane": data_plane}
+
+    def _transfer_ca(self, nodes: list[dict[str, Any]]) -> DeploymentCa | None:
+        """This deployment's KV transfer CA when its transfers are mTLS, else None. The CA (and so
+        its key) lives only in this call's caller: certificates are issued at deploy time, here."""
+        if not transfer_tls_wanted(self.config, nodes):
+            if _spans_nodes(self.config, nodes):
+                logger.warning(
+                    "kv_transfer.tls is off: KV cache moves between Ray nodes in plain TCP "
+                    "(readable and alterable by anyone on the network path; the cluster token still authenticates)"
+                )
+            self.transfer_ca_pem = None
+            return None
+        from worker.kv_transfer.certificates import DeploymentCa
+
+        validity_days = load_config(KvTransferConfig, self.config.kv_transfer).tls_validity_days
+        ca = DeploymentCa(self.deployment_id, validity_days=validity_days)
+        self.transfer_ca_pem = ca.root_pem
+        logger.info("KV transfers are mutual TLS: a deployment CA issued each instance a certificate (%d days)", validity_days)
+        return ca
 
     def stop(self) -> None:
         import ray

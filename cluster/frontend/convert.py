@@ -148,10 +148,20 @@ def sampling_from_proto(message: pb.SamplingParams, max_tokens_default: int = DE
         raise RequestValidationError(f"sampling.{error.field}", error.message) from None
 
 
+_NANOS_PER_SECOND = 1_000_000_000
+
+
 def timeout_from_proto(request: pb.GenerateRequest) -> float | None:
     if not request.HasField("timeout"):
         return None
-    timeout_s = request.timeout.seconds + request.timeout.nanos / 1e9
+    seconds, nanos = request.timeout.seconds, request.timeout.nanos
+    # Only protobuf's normal form (|nanos| below one second, and nanos never of the other sign than
+    # seconds) is taken: summing any other form would accept a value a stricter peer refuses.
+    if not -_NANOS_PER_SECOND < nanos < _NANOS_PER_SECOND:
+        raise RequestValidationError("timeout", f"nanos must be within +-999999999, got {nanos}")
+    if (seconds > 0 and nanos < 0) or (seconds < 0 and nanos > 0):
+        raise RequestValidationError("timeout", f"seconds ({seconds}) and nanos ({nanos}) must not differ in sign")
+    timeout_s = seconds + nanos / 1e9
     if not timeout_s > 0.0:
         raise RequestValidationError("timeout", f"must be > 0, got {timeout_s:g} s")
     if timeout_s > MAX_TIMEOUT_S:

@@ -19,6 +19,7 @@ from worker.sampler_types import SampleLogprobs
 # HTTP status per router error kind. DEADLINE_EXCEEDED and ABORTED are not the client's input.
 _STATUS = {
     ErrorKind.INVALID_ARGUMENT: 400,
+    ErrorKind.ALREADY_EXISTS: 409,
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.RESOURCE_EXHAUSTED: 429,
     ErrorKind.UNAVAILABLE: 503,
@@ -49,9 +50,6 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def status_for(error: RouterError) -> int:
-    # The router's one INVALID_ARGUMENT for a validated request: an id already in use.
-    if error.kind is ErrorKind.INVALID_ARGUMENT and error.field == "client_request_id":
-        return 409
     return _STATUS[error.kind]
 
 

@@ -34,8 +34,8 @@ keeps running for a client that is gone. The request id is also sent as initial 
 (`duet-request-id`) so that a client can abort before the first token arrives.
 
 Authentication (optional): `authorization: Bearer <token>` metadata, compared in constant time
-against every configured token. Missing or malformed -> UNAUTHENTICATED; well-formed but not
-accepted -> PERMISSION_DENIED. The health service is exempt (load balancers probe it without
+against every configured token. Missing, malformed or not accepted -> UNAUTHENTICATED (the HTTP
+front end answers 401 for all three). The health service is exempt (load balancers probe it without
 credentials); reflection is not. TLS is optional (`TlsConfig`; set `require_client_auth=False`
 for server-only TLS).
 """
@@ -116,7 +116,9 @@ class _AuthVerdict:
     """Why a call was refused (None means admitted)."""
 
     MALFORMED = (grpc.StatusCode.UNAUTHENTICATED, "missing or malformed bearer token")
-    REJECTED = (grpc.StatusCode.PERMISSION_DENIED, "bearer token not accepted")
+    # UNAUTHENTICATED, not PERMISSION_DENIED: a wrong token is a failed authentication (the
+    # credentials are not valid), as the HTTP front end's 401 says; duet has no per-caller permissions.
+    REJECTED = (grpc.StatusCode.UNAUTHENTICATED, "bearer token not accepted")
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

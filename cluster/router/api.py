@@ -21,6 +21,7 @@ class ErrorKind(enum.Enum):
     """Why a call or a request failed; each maps to one gRPC status code (same names)."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # bad input, before placement (field named)
+    ALREADY_EXISTS = "ALREADY_EXISTS"  # the client_request_id names a request still running (field named)
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # admission queue full
     UNAVAILABLE = "UNAVAILABLE"  # no healthy instance can serve it (draining, all dead)
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # the request's own deadline passed
@@ -213,6 +214,7 @@ class RouterAPI(Protocol):
 
     async def submit(self, request: ClientRequest) -> RequestHandle:
         """Validate, admit and place; raises RouterError (INVALID_ARGUMENT naming the field,
+        ALREADY_EXISTS when its client_request_id names a request the router still holds,
         RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE when nothing can serve it)."""
         ...
 

@@ -234,12 +234,12 @@ class Router:
                 params = params.with_seed(self._rng.randrange(MAX_SEED))
             client_id = request.client_request_id
             if client_id is not None and (client_id in self._by_client_id or client_id in taken):
-                raise RouterError(ErrorKind.INVALID_ARGUMENT, f"client_request_id {client_id!r} is in use", "client_request_id")
+                raise RouterError(ErrorKind.ALREADY_EXISTS, f"client_request_id {client_id!r} is in use", "client_request_id")
             # The client's id, when it gives one, is the request's id (so that operators and chaos
             # plans can name a request's hops: "<id>.p1", "<id>.g1").
             request_id = client_id if client_id is not None else f"{self._id_prefix}-{next(self._counter)}"
             if request_id in self._requests or request_id in taken:
-                raise RouterError(ErrorKind.INVALID_ARGUMENT, f"request id {request_id!r} is in use", "client_request_id")
+                raise RouterError(ErrorKind.ALREADY_EXISTS, f"request id {request_id!r} is in use", "client_request_id")
             taken.add(request_id)
             prepared.append((request, prompt, params, request_id))
         entries = [self._register(*item) for item in prepared]

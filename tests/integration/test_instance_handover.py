@@ -51,7 +51,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=4321, ignore_eos=True)
 
 
-def _spec(instance_id: str, role: InstanceRole, faults=None, data_plane: str = "auto", shm_tag: str = SHM_TAG):
+def _spec(instance_id: str, role: InstanceRole, faults=None, data_plane: str = "auto", shm_tag: str = SHM_TAG, sender=None):
     from worker.instance import InstanceSpec
 
     return InstanceSpec(
@@ -62,7 +62,7 @@ def _spec(instance_id: str, role: InstanceRole, faults=None, data_plane: str = "
         cluster_token=TOKEN,
         torch_threads=1,
         faults=faults,
-        sender={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
+        sender={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane, **(sender or {})},
         receiver={"max_chunk_bytes": 64 * 1024, "data_plane": data_plane},
         shm_tag=shm_tag,
     ).to_bytes()
@@ -79,11 +79,11 @@ def _call(ray, actor, command, expected: type, timeout: float | None = None):
     return _reply(ray.get(actor.handle.remote(Encoder().encode(command)), timeout=timeout), expected)
 
 
-def _actor(ray, instance_id: str, role: InstanceRole, faults=None, data_plane: str = "auto", shm_tag: str = SHM_TAG):
+def _actor(ray, instance_id: str, role: InstanceRole, faults=None, data_plane: str = "auto", shm_tag: str = SHM_TAG, sender=None):
     from worker.instance import Instance
 
     remote = ray.remote(num_cpus=0.25, max_concurrency=8, max_restarts=0)(Instance)
-    actor = remote.remote(_spec(instance_id, role, faults, data_plane, shm_tag))
+    actor = remote.remote(_spec(instance_id, role, faults, data_plane, shm_tag, sender))
     info = _call(ray, actor, GetInfo(), InstanceInfo, timeout=120)
     return actor, info
 
@@ -313,10 +313,18 @@ def test_hold_keeps_a_request_in_its_state(cluster) -> None:
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_killed_peer_fails_the_transfer_and_frees_the_survivor(ray_cluster, side, plane) -> None:
     ray = ray_cluster
-    rule = {"kind": "kill", "side": side, "request_ids": ["doomed"], "chunk": 1}
+    # The receiver hears of a dead sender through a stream the death breaks, so the sender dies
+    # with one open: its 4 chunks go over 2 streams (0 and 2 on the first, 1 and 3 on the other),
+    # and the kill comes as the first stream asks for chunk 2, once gRPC has written chunk 0. (At
+    # chunk 1 over 4 streams, the kill came as the second stream began: when the first had already
+    # delivered its one chunk and its end, the receiver had no open stream to see break, and the
+    # transfer ended at its deadline, DEADLINE_EXCEEDED.)
+    chunk = 2 if side == "sender" else 1
+    rule = {"kind": "kill", "side": side, "request_ids": ["doomed"], "chunk": chunk}
     plan = {"enabled": True, "seed": 3, "rules": [rule]}
     tag = f"kill{side[0]}{plane}"
-    prefill = _actor(ray, f"pk-{side}-{plane}", InstanceRole.PREFILL, plan if side == "sender" else None, plane, tag)
+    sender = {"num_streams": 2}
+    prefill = _actor(ray, f"pk-{side}-{plane}", InstanceRole.PREFILL, plan if side == "sender" else None, plane, tag, sender)
     generation = _actor(ray, f"gk-{side}-{plane}", InstanceRole.GENERATION, plan if side == "receiver" else None, plane, tag)
     (p_actor, _), (g_actor, g_info) = prefill, generation
     p_box, g_box = Mailbox(), Mailbox()

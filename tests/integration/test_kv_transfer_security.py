@@ -355,6 +355,48 @@ def test_replayed_chunks_and_commit_are_idempotent_and_late_chunks_dropped(chann
     assert result.events == ("commit",) and result.writes == 2
 
 
+def test_other_contents_into_a_committed_transfer_are_failed_precondition(channel, receiver) -> None:
+    transfer_id, request_id = _prepare(channel, receiver)
+    specs = [ChunkSpec(index, index, index + 1, 0, NUM_BLOCKS) for index in range(2)]
+    frames = [_chunk(transfer_id, request_id, spec) for spec in specs]
+    _push_raw(channel, frames, transfer_id, request_id)
+    size = 2 * LAYOUT.run_bytes(1, NUM_BLOCKS)
+    commit = pb.KvCommitRequest(transfer_id=transfer_id, request_id=request_id, chunks_sent=2, bytes_sent=size)
+    commit_call = _unary(channel, "Commit", pb.KvCommitResponse)
+    receipt = commit_call(commit.SerializeToString(), timeout=RPC_TIMEOUT_S, metadata=AUTH)
+    # The same range under the same sequence number, other bytes with their own valid checksum.
+    other = bytes(random.Random(99).randbytes(specs[1].size_bytes(LAYOUT)))
+    header = codec.make_header(
+        transfer_id, request_id, specs[1], LAYOUT, codec.checksum(other, pb.CHECKSUM_ALGORITHM_CRC32), pb.CHECKSUM_ALGORITHM_CRC32
+    )
+    different = codec.encode_chunk(header, other)
+    # A sequence number the transfer never had is other contents too.
+    unknown = _chunk(transfer_id, request_id, ChunkSpec(5, 0, 1, 0, NUM_BLOCKS))
+    for forged in ([frames[0], different], [unknown]):
+        with pytest.raises(grpc.RpcError) as raised:
+            _push_raw(channel, forged, transfer_id, request_id)
+        assert _status(raised.value) == (grpc.StatusCode.FAILED_PRECONDITION, "PROTOCOL_ERROR")
+    # The committed transfer is untouched: an exact replay and a repeated commit are still OK.
+    assert _push_raw(channel, frames, transfer_id, request_id).chunks_accepted == 0
+    assert commit_call(commit.SerializeToString(), timeout=RPC_TIMEOUT_S, metadata=AUTH) == receipt
+    result = receiver.result(transfer_id)
+    assert result.events == ("commit",) and result.writes == 2
+
+
+def test_a_push_into_an_aborted_transfer_is_failed_precondition(channel, receiver) -> None:
+    transfer_id, request_id = _prepare(channel, receiver)
+    abort = pb.KvAbortRequest(transfer_id=transfer_id, request_id=request_id, reason=pb.TRANSFER_FAILURE_REASON_CANCELLED)
+    assert _unary(channel, "Abort", pb.KvAbortResponse)(abort.SerializeToString(), timeout=RPC_TIMEOUT_S, metadata=AUTH).aborted
+    frame = _chunk(transfer_id, request_id, ChunkSpec(0, 0, 1, 0, NUM_BLOCKS))
+    for frames in ([frame], []):  # with a chunk, and with only the end-of-stream marker
+        with pytest.raises(grpc.RpcError) as raised:
+            _push_raw(channel, frames, transfer_id, request_id)
+        # The metadata still names why the transfer ended, which is what a sender reads.
+        assert _status(raised.value) == (grpc.StatusCode.FAILED_PRECONDITION, "CANCELLED")
+    result = receiver.result(transfer_id)
+    assert result.events == ("fail:CANCELLED",) and result.writes == 0
+
+
 # -- compatibility and limits ------------------------------------------------------------------------
 
 
@@ -548,4 +590,27 @@ def test_mutual_tls_admits_only_peers_signed_by_the_cluster_ca() -> None:
             with pytest.raises(grpc.RpcError) as raised:
                 _unary(plain, "Prepare", pb.KvPrepareResponse)(b"", timeout=2.0)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert receiver.is_alive()
+
+
+def test_deployment_ca_certificates_carry_a_push_and_another_deployments_do_not() -> None:
+    from worker.kv_transfer.certificates import DeploymentCa
+
+    ca, other = DeploymentCa("d1"), DeploymentCa("d2")
+    with ReceiverProcess(config={"max_chunk_bytes": CHUNK_LIMIT}, tls=ca.issue("generation-0")) as receiver:
+        source = LinearKvBuffer(LAYOUT, NUM_BLOCKS, bytearray(random.Random(11).randbytes(LAYOUT.run_bytes(2, NUM_BLOCKS))))
+
+        def push(tls: TlsConfig) -> tuple:
+            transfer_id = new_transfer_id()
+            receiver.expect(transfer_id, "ca", LAYOUT, NUM_BLOCKS)
+            with KvSender(SenderConfig(max_chunk_bytes=CHUNK_LIMIT), security=TransportSecurity(tls=tls)) as sender:
+                # The receiver's address is an IP: the certificate names TRANSFER_SERVER_NAME instead.
+                return sender.push(receiver.address, transfer_id, "ca", source, 5.0), transfer_id
+
+        outcome, transfer_id = push(ca.issue("prefill-0"))
+        assert outcome.ok, outcome.failure
+        assert receiver.received_bytes(transfer_id)[1] == bytes(source.view)
+        outcome, transfer_id = push(other.issue("prefill-0"))
+        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
+        assert receiver.result(transfer_id, wait_s=0.0).state == "UNOPENED"
         assert receiver.is_alive()

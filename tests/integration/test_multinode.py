@@ -88,3 +88,50 @@ def test_unsatisfiable_deployment_fails_fast_naming_the_resource(multinode) -> N
             Deployment(config).start()
         assert needle in str(error.value)
         assert time.monotonic() - started < 10  # checked before any actor is created
+
+
+def test_the_kv_path_between_nodes_is_mutual_tls_without_any_certificate_configured(multinode) -> None:
+    import random
+    import socket
+    import ssl
+
+    from worker.kv_layout import KvLayout
+    from worker.kv_transfer.buffers import LinearKvBuffer
+    from worker.kv_transfer.certificates import TRANSFER_SERVER_NAME
+    from worker.kv_transfer.config import TransportSecurity
+    from worker.kv_transfer.failures import FailureReason
+    from worker.kv_transfer.ids import new_transfer_id
+    from worker.kv_transfer.sender import KvSender
+
+    ray, _ = multinode
+    config = _config()
+    assert "tls" not in config.kv_transfer  # nothing configured: the deployment makes its own CA
+    harness = ClusterHarness(config).start()
+    try:
+        deployment = harness.cluster.deployment
+        assert deployment.transfer_ca_pem is not None
+        with harness.client(timeout_s=60) as client:  # prefill -> generation across nodes, over mTLS
+            done = client.complete(margin_corpus(0, 1)[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert [w.instance_id for w in done.instances] == ["prefill-0", "generation-0"]
+        address = harness.run(deployment.clients["generation-0"].get_info()).transfer_address
+        host, port = address.rsplit(":", 1)
+
+        # The receiver speaks TLS 1.3 with a certificate of this deployment's CA, for the transfer name.
+        context = ssl.create_default_context(cadata=deployment.transfer_ca_pem.decode("ascii"))
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.set_alpn_protocols(["h2"])
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname=TRANSFER_SERVER_NAME) as tls:
+                assert tls.version() == "TLSv1.3"
+                names = [value for kind, value in tls.getpeercert()["subjectAltName"] if kind == "DNS"]
+                assert names == [TRANSFER_SERVER_NAME]
+
+        # A plaintext push, even with the cluster token, is refused before any byte of KV moves.
+        layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=64, tokens_per_block=16, dtype="float32", model_fingerprint="m")
+        source = LinearKvBuffer(layout, 1, bytearray(random.Random(5).randbytes(layout.run_bytes(1, 1))))
+        with KvSender(security=TransportSecurity(token=deployment.cluster_token)) as sender:
+            outcome = sender.push(address, new_transfer_id(), "plain", source, 5.0)
+        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
+        assert outcome.chunks_sent == 0
+    finally:
+        harness.stop()

@@ -17,7 +17,6 @@ from worker.protocol import InstanceRole
 from worker.sampling import SamplingParams
 from worker.tokenizer import ByteTokenizer
 
-
 # Small chunks (two blocks): the prompts prefill in up to 3 chunks, so an early reservation is made
 # and relayed while later chunks still compute, and finished chunks stream.
 CHUNKED = {"max_num_tokens": 32, "chunk_unit_tokens": 32}
@@ -255,6 +254,30 @@ def test_admission_and_validation_errors() -> None:
                 if isinstance(event, FinalEvent):
                     assert event.outcome is Outcome.COMPLETE
                     assert event.usage.prompt_tokens == len(ByteTokenizer().encode("héllo"))
+            await cluster.free_blocks_settle()
+
+    run(scenario())
+
+
+def test_a_client_request_id_in_use_is_already_exists() -> None:
+    async def scenario():
+        config = router_config(placement={"disaggregation": "never"})
+        async with Cluster({"m0": InstanceRole.MIXED}, config=config) as cluster:
+            router = cluster.router
+            long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+            first = await router.submit(ClientRequest(None, tuple(PROMPTS[0]), long, client_request_id="dup"))
+            with pytest.raises(RouterError) as again:
+                await router.submit(ClientRequest(None, tuple(PROMPTS[1]), GREEDY, client_request_id="dup"))
+            assert again.value.kind is ErrorKind.ALREADY_EXISTS and again.value.field == "client_request_id"
+            # Within one batch too, and then nothing of the batch runs.
+            with pytest.raises(RouterError) as batch:
+                await router.submit_all(
+                    [ClientRequest(None, tuple(PROMPTS[1]), GREEDY, client_request_id=cid) for cid in ("twin", "twin")]
+                )
+            assert batch.value.kind is ErrorKind.ALREADY_EXISTS and batch.value.field == "client_request_id"
+            with pytest.raises(RouterError):
+                router.get_request(client_request_id="twin")
+            await router.abort(first.request_id)
             await cluster.free_blocks_settle()
 
     run(scenario())

@@ -242,3 +242,62 @@ def test_kv_transfer_data_plane_reaches_both_sides_of_every_instance() -> None:
     assert deployment._kv_section("sender") == {"num_streams": 2, "data_plane": "grpc"}
     assert deployment._kv_section("receiver") == {"data_plane": "grpc"}
     assert Deployment(ClusterConfig.from_dict({}))._kv_section("sender") is None
+
+
+def test_kv_receivers_bind_loopback_in_the_embedded_cluster_else_their_node_or_bind_host(monkeypatch) -> None:
+    from cluster.deploy.launch import transfer_bind_host
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    one_host = [{"NodeManagerAddress": "192.0.2.2", "Alive": True}] * 3  # Ray reports the routable address
+    two_hosts = [{"NodeManagerAddress": "10.0.0.5", "Alive": True}, {"NodeManagerAddress": "10.0.0.6", "Alive": True}]
+    assert transfer_bind_host(ClusterConfig.from_dict({}), one_host) == "127.0.0.1"  # duet starts its own Ray
+    assert transfer_bind_host(ClusterConfig.from_dict({}), two_hosts) == "auto"  # a caller joined several hosts
+    gone = [*one_host, {"NodeManagerAddress": "10.0.0.6", "Alive": False}]
+    assert transfer_bind_host(ClusterConfig.from_dict({}), gone) == "127.0.0.1"
+    joined = {"ray": {"address": "10.0.0.5:6379"}}
+    assert transfer_bind_host(ClusterConfig.from_dict(joined), one_host) == "auto"  # each node's own address
+    with_host = {**joined, "kv_transfer": {"bind_host": "10.1.2.3"}}
+    assert transfer_bind_host(ClusterConfig.from_dict(with_host), two_hosts) == "10.1.2.3"
+    assert transfer_bind_host(ClusterConfig.from_dict({"kv_transfer": {"bind_host": "0.0.0.0"}}), one_host) == "0.0.0.0"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert transfer_bind_host(ClusterConfig.from_dict({}), one_host) == "auto"
+    with pytest.raises(ConfigError) as raised:
+        ClusterConfig.from_dict({"kv_transfer": {"bind_host": ""}})
+    assert "kv_transfer.bind_host" in str(raised.value)
+
+
+def test_kv_transfers_are_mtls_as_soon_as_they_can_cross_ray_nodes(monkeypatch) -> None:
+    from cluster.deploy.launch import transfer_tls_wanted
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    lone = [{"NodeManagerAddress": "192.0.2.2", "Alive": True}, {"NodeManagerAddress": "192.0.2.3", "Alive": False}]
+    several = [{"NodeManagerAddress": "127.0.0.1", "Alive": True}] * 2  # two Ray nodes on one host are two nodes
+    assert not transfer_tls_wanted(ClusterConfig.from_dict({}), lone)
+    assert transfer_tls_wanted(ClusterConfig.from_dict({}), several)
+    assert transfer_tls_wanted(ClusterConfig.from_dict({"ray": {"address": "10.0.0.5:6379"}}), lone)  # nodes may join
+    assert not transfer_tls_wanted(ClusterConfig.from_dict({"kv_transfer": {"tls": "off"}}), several)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert transfer_tls_wanted(ClusterConfig.from_dict({}), lone)
+    for bad in ({"tls": "on"}, {"tls": True}, {"tls_validity_days": 0}):
+        with pytest.raises(ConfigError) as raised:
+            ClusterConfig.from_dict({"kv_transfer": bad})
+        assert f"kv_transfer.{next(iter(bad))}" in str(raised.value)
+
+
+def test_the_deployment_ca_is_made_only_for_mtls_and_tls_off_is_a_warning(monkeypatch, caplog) -> None:
+    import logging
+
+    from cluster.deploy.launch import Deployment
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    several = [{"NodeManagerAddress": "127.0.0.1", "Alive": True}] * 2
+    deployment = Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls_validity_days": 30}}))
+    ca = deployment._transfer_ca(several)
+    assert ca is not None and deployment.transfer_ca_pem == ca.root_pem
+    assert ca.issue("prefill-0").root_certificates_pem == deployment.transfer_ca_pem
+    lone = Deployment(ClusterConfig.from_dict({}))
+    assert lone._transfer_ca(several[:1]) is None and lone.transfer_ca_pem is None
+    off = Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls": "off"}}))
+    with caplog.at_level(logging.WARNING, logger="cluster.deploy.launch"):
+        assert off._transfer_ca(several) is None
+    assert any("kv_transfer.tls is off" in record.getMessage() for record in caplog.records)

@@ -56,10 +56,12 @@ def test_missing_or_malformed_credentials_are_unauthenticated(served, metadata) 
     assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in details
 
 
-def test_a_wrong_token_is_permission_denied(served) -> None:
+def test_a_wrong_token_is_unauthenticated(served) -> None:
+    # As the HTTP front end's 401: a token that is not accepted is a failed authentication.
     _, stub, _ = served
-    assert _status_with(stub, (("authorization", "Bearer not-the-right-token-000"),))[0] == grpc.StatusCode.PERMISSION_DENIED
-    assert _status_with(stub, (("authorization", f"Bearer {TOKEN[:-1]}"),))[0] == grpc.StatusCode.PERMISSION_DENIED
+    code, details = _status_with(stub, (("authorization", "Bearer not-the-right-token-000"),))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token not accepted" in details
+    assert _status_with(stub, (("authorization", f"Bearer {TOKEN[:-1]}"),))[0] == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_every_configured_token_is_accepted_and_the_scheme_is_case_insensitive(served) -> None:
@@ -77,7 +79,7 @@ def test_refused_calls_never_reach_the_router_even_with_a_bad_body(served) -> No
     raw = channel.unary_stream("/duet_wire.v1.Duet/Generate", request_serializer=None, response_deserializer=None)
     with pytest.raises(grpc.RpcError) as raised:
         list(raw(b"\xff\xff\xff", timeout=RPC_TIMEOUT_S, metadata=(("authorization", "Bearer wrong-token-0000000000"),)))
-    assert raised.value.code() == grpc.StatusCode.PERMISSION_DENIED  # auth before parsing
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED  # auth before parsing
     with pytest.raises(grpc.RpcError) as raised:
         stub.Abort(pb.AbortRequest(request=pb.RequestRef(request_id="req-1")), timeout=RPC_TIMEOUT_S)
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -91,7 +93,7 @@ def test_the_client_sends_its_token(served) -> None:
     with DuetClient(server.target, token="a-token-the-server-does-not-know") as client:
         with pytest.raises(DuetError) as raised:
             client.complete("hello")
-        assert raised.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert raised.value.code == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_health_is_exempt_and_reflection_is_not(served) -> None:

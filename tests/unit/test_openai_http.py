@@ -15,6 +15,8 @@ import pytest
 from openai_server import MODEL, ServerThread
 from test_frontend_auth import certs as tls_certs  # a fixture: a CA and a server certificate
 
+from cluster.frontend.openai_render import router_error_body
+from cluster.router.api import ErrorKind, RouterError
 from cluster.router.observe import RouterMetrics
 from worker.tokenizer import ByteTokenizer, ChatTemplateError
 
@@ -211,6 +213,16 @@ def test_bearer_tokens_are_401_without_the_right_one() -> None:
         assert http(server, "GET", "/health")[0] == 200  # exempt, as gRPC's health service
         ok = openai.OpenAI(base_url=server.base_url, api_key="openai-test-token-0123456789", max_retries=0)
         assert ok.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_a_request_id_in_use_is_409_naming_the_header() -> None:
+    # The router's ALREADY_EXISTS, which gRPC answers with the same name (the live conflict is
+    # driven end to end in tests/integration/test_openai_local.py).
+    error = RouterError(ErrorKind.ALREADY_EXISTS, "client_request_id 'x' is in use", "client_request_id")
+    status, body = router_error_body(error)
+    assert status == 409
+    assert body["error"]["type"] == "conflict_error" and body["error"]["code"] == "ALREADY_EXISTS"
+    assert body["error"]["param"] == "X-Request-Id"
 
 
 def test_a_batch_that_does_not_fit_is_429_and_nothing_runs() -> None:

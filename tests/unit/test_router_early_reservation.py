@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.router.actions import EmitTokens, NoteRecovery, NoteTransfer, Phase, Push, RenewReservation, StartHop, StopHop
+from cluster.router.actions import (
+    EmitTokens,
+    NoteRecovery,
+    NoteTransfer,
+    Phase,
+    Push,
+    RenewReservation,
+    StartHop,
+    StopHop,
+)
 from cluster.router.flow import Attempt
 from cluster.router.state import GlobalState
 from scheduler.state import LlmRequestState
@@ -218,7 +227,7 @@ def test_a_failed_early_push_retries_the_transfer_from_the_held_kv() -> None:
 
 
 # ---- every event in every state, with early reservations --------------------------------------------
-from tests.unit.test_router_flow import EVENTS, STATES, STATE_IDS, to_state  # noqa: E402
+from tests.unit.test_router_flow import EVENTS, STATE_IDS, STATES, to_state  # noqa: E402
 
 
 @pytest.mark.parametrize("event", sorted(EVENTS))

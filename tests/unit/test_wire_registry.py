@@ -95,6 +95,23 @@ def test_complete_transfer_commits_once_and_repeated_commit_is_acknowledged_agai
     assert registry.stats().committed == 1 and registry.stats().open_transfers == 0
 
 
+def test_after_commit_an_exact_replay_is_late_and_other_contents_a_conflict() -> None:
+    registry = _registry()
+    record, target = _open(registry)
+    chunks = _chunks()
+    _deliver_all(registry, record, chunks)
+    registry.commit(record, len(chunks), sum(c.size_bytes(LAYOUT) for c in chunks))
+    for chunk in chunks:
+        assert registry.admit(record, chunk, 7) is Admission.LATE
+    first = chunks[0]
+    assert registry.admit(record, first, 8) is Admission.CONFLICT  # other bytes
+    moved = ChunkSpec(first.sequence, first.layer_start, first.layer_end, first.block_start + 1, first.block_end + 1)
+    assert registry.admit(record, moved, 7) is Admission.CONFLICT  # other cells
+    assert registry.admit(record, ChunkSpec(len(chunks) + 9, 0, 1, 0, 1), 7) is Admission.CONFLICT  # never sent
+    assert record.state is TransferState.COMMITTED and target.calls.count("commit") == 1
+    assert not [c for c in target.calls if c.startswith("fail")]
+
+
 def test_duplicate_chunk_changes_nothing_but_reused_sequence_fails() -> None:
     registry = _registry()
     record, target = _open(registry)

@@ -136,6 +136,16 @@ class KvTransferConfig(_TransferSection, frozen=True):
     """The `kv_transfer:` section of the cluster configuration (its instances get the parts as
     plain data; host and port of the receiver are set per instance)."""
 
+    bind_host: Annotated[str, Meta(min_length=1)] | None = None
+    """Address every instance's KV transfer server binds. None: 127.0.0.1 in the embedded
+    single-host cluster, each node's own address in a multi-host one (cluster/deploy/launch.py)."""
+    tls: Literal["auto", "off"] = "auto"
+    """Mutual TLS between instances. auto: when the Ray cluster has more than one node (or was
+    joined by address), the deployer makes a per-deployment CA and gives every instance a
+    certificate from it, and every transfer is mTLS; on a single node, plain TCP. off: plain TCP
+    everywhere (logged as a warning when the cluster spans nodes)."""
+    tls_validity_days: Annotated[int, Meta(ge=1, le=3650)] = 365
+    """Lifetime of the generated certificates, in days: longer than the deployment is expected to run."""
     sender: SenderConfig = SenderConfig()
     """Settings of every prefill (or mixed) instance's sender."""
     receiver: ReceiverConfig = ReceiverConfig()
@@ -190,7 +200,12 @@ def grpc_options(max_chunk_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # A peer that restarts is retried soon (100 ms, backing off to 2 s) ...
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2_000),
+        # ... but each connection attempt gets this long: despite its name, gRPC core reads this
+        # option as the minimum connect timeout (TCP connect, TLS handshake, HTTP/2 SETTINGS). At
+        # 100 ms, mTLS handshakes on a loaded host timed out ("connection attempt timed out before
+        # receiving SETTINGS frame"); a call's own deadline still bounds the wait.
+        ("grpc.min_reconnect_backoff_ms", 10_000),
     ]

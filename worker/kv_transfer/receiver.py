@@ -11,6 +11,11 @@ reading its probe back from the named segment; the Push streams then carry chunk
 offset into that segment, and each chunk is copied out into private memory, verified on the copy
 and written, under the same checks, faults and accounting as a chunk whose bytes came over gRPC.
 
+A Push into a transfer that has already ended is FAILED_PRECONDITION (the transfer's state refuses
+it, whatever its bytes): into a failed or aborted one, with the transfer's own failure reason; of
+other contents into a committed one, with PROTOCOL_ERROR, and the committed blocks stay as they
+are. An exact replay of a committed transfer's chunks stays OK (transfers are idempotent).
+
 Requests are parsed by hand (codec.py), so a malformed or oversized message becomes
 INVALID_ARGUMENT (or gRPC's own RESOURCE_EXHAUSTED above the message limit), never a crash.
 """
@@ -84,14 +89,24 @@ def _control_decoder(message_type: type[Message]) -> Callable[[bytes], Any]:
     return decode
 
 
-def _abort(context: grpc.ServicerContext, failure: TransferFailure) -> NoReturn:
+def _abort(context: grpc.ServicerContext, failure: TransferFailure, code: grpc.StatusCode | None = None) -> NoReturn:
+    """End the call with `failure`; `code` overrides the reason's own status (the metadata still
+    names the reason, which is what the sender reads)."""
     context.set_trailing_metadata(((FAILURE_METADATA_KEY, failure.reason.value),))
-    context.abort(failure.grpc_code, failure.detail or failure.reason.value)
+    context.abort(code or failure.grpc_code, failure.detail or failure.reason.value)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
 def _protocol_error(detail: str) -> TransferFailure:
     return TransferFailure(FailureReason.PROTOCOL_ERROR, detail)
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """A chunk for a transfer that had already ended (failed, or committed with other contents):
+    refused with FAILED_PRECONDITION, and the transfer is left as it is."""
+
+    failure: TransferFailure
 
 
 def _sanitize(text: str) -> str:
@@ -341,6 +356,7 @@ class KvTransferServer:
 
     def _push(self, request_iterator: Any, context: grpc.ServicerContext) -> pb.KvPushResponse:
         failure: TransferFailure | None = None
+        ended_transfer: _Ended | None = None
         accepted = duplicates = 0
         accepted_bytes = 0
         # The stream names its transfer up front, so the transfer hears of a stream that breaks
@@ -374,6 +390,9 @@ class KvTransferServer:
                     ended = True
                     continue
                 result = self._handle_chunk(record, chunk)
+                if isinstance(result, _Ended):
+                    ended_transfer = result
+                    break
                 if isinstance(result, TransferFailure):
                     failure = result
                     break
@@ -389,6 +408,8 @@ class KvTransferServer:
         finally:
             if attached:
                 self._registry.detach_stream(record)
+        if ended_transfer is not None:
+            _abort(context, ended_transfer.failure, grpc.StatusCode.FAILED_PRECONDITION)
         if failure is None and not ended:
             # gRPC reports a dropped connection as a clean end at times; the marker tells them apart.
             self._registry.fail(record, self._cut_off(record, context))
@@ -397,7 +418,9 @@ class KvTransferServer:
             self._registry.fail(record, failure)
             _abort(context, record.failure or failure)
         if record.state is TransferState.FAILED and record.failure is not None:
-            _abort(context, record.failure)
+            # Failed before this stream's chunks or beside them (an Abort, another stream, the
+            # deadline): not this stream's doing, so the transfer's state refuses it.
+            _abort(context, record.failure, grpc.StatusCode.FAILED_PRECONDITION)
         return pb.KvPushResponse(chunks_accepted=accepted, chunks_duplicate=duplicates, bytes_accepted=accepted_bytes)
 
     def _cut_off(self, record: TransferRecord, context: grpc.ServicerContext) -> TransferFailure:
@@ -412,9 +435,11 @@ class KvTransferServer:
             FailureReason.PEER_UNAVAILABLE, "sender's stream broke off (no end-of-stream marker, no Abort)"
         )
 
-    def _handle_chunk(self, record: TransferRecord, chunk: codec.DecodedChunk) -> Admission | TransferFailure | None:
-        """Verify and write one chunk. Returns its admission, None if a fault dropped it, or the failure
-        that ends the stream (and the transfer)."""
+    def _handle_chunk(
+        self, record: TransferRecord, chunk: codec.DecodedChunk
+    ) -> Admission | TransferFailure | _Ended | None:
+        """Verify and write one chunk. Returns its admission, None if a fault dropped it, the failure
+        that ends the stream (and the transfer), or _Ended when the transfer had already ended."""
         header = chunk.header
         in_shm = header.HasField("shm")
         if in_shm and (record.shm_segment is None or len(chunk.data)):
@@ -431,9 +456,15 @@ class KvTransferServer:
                 applied = self._apply_faults(record, faults)
                 if applied is not True:
                     return applied
+        if record.state is TransferState.FAILED:
+            # Read without the lock: a transfer that fails just after is refused below with its own
+            # failure, which is as true.
+            return _Ended(record.failure or TransferFailure(FailureReason.CANCELLED, "the transfer has ended"))
         admission = self._registry.admit(record, codec.spec_of(header), header.checksum)
+        if admission is Admission.CONFLICT:
+            return _Ended(_protocol_error(f"chunk {header.sequence} differs from what the committed transfer accepted"))
         if admission is Admission.LATE:
-            # Dropped; a failed transfer's failure ends the stream, a committed one's late chunk does not.
+            # Dropped; a failed transfer's failure ends the stream, a committed one's replayed chunk does not.
             return record.failure if record.state is TransferState.FAILED else admission
         if admission is Admission.DUPLICATE:
             return admission

@@ -12,6 +12,8 @@ import enum
 import logging
 import threading
 import time
+from array import array
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +48,8 @@ class IllegalTransferTransition(RuntimeError):
 class Admission(enum.Enum):
     WRITE = "WRITE"  # verify and write this chunk, then call finish_write
     DUPLICATE = "DUPLICATE"  # same sequence number, range and checksum as an accepted chunk: ignore it
-    LATE = "LATE"  # the transfer has finished (committed or failed): drop the chunk
+    LATE = "LATE"  # the transfer has finished (failed, or committed and this is an exact replay): drop it
+    CONFLICT = "CONFLICT"  # the transfer committed other contents under this sequence number: refuse it
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,12 @@ class TransferRecord:
         self._failure_delivered = False
         self._coverage = bytearray(layout.num_layers * num_blocks)
         self._accepted: dict[int, tuple[ChunkSpec, int]] = {}
+        # What a committed transfer accepted, kept so that an exact replay (dropped: transfers are
+        # idempotent) can be told from other contents (refused). Packed, because up to
+        # finished_capacity committed transfers keep theirs: the sorted sequence numbers, and per
+        # chunk its layer and block ranges and checksum (five words).
+        self._committed_sequences = array("Q")
+        self._committed_contents = array("Q")
         self._writes_in_flight = 0
         self.streams = 0
         # The negotiated checksum algorithm (a ChecksumAlgorithm value); set by the server.
@@ -200,9 +209,12 @@ class TransferRegistry:
     def admit(self, record: TransferRecord, spec: ChunkSpec, checksum: int) -> Admission:
         """Decide what to do with a chunk whose header passed validation. A chunk that overlaps cells
         another chunk already delivered, or reuses a sequence number for other contents, fails the
-        transfer (PROTOCOL_ERROR) and is LATE."""
+        transfer (PROTOCOL_ERROR) and is LATE. After commit, an exact replay of an accepted chunk is
+        LATE and anything else a CONFLICT (the committed transfer stays as it is)."""
         deliver: TransferFailure | None = None
         with self._lock:
+            if record.state is TransferState.COMMITTED:
+                return Admission.LATE if self._replays_committed_locked(record, spec, checksum) else Admission.CONFLICT
             if record.state is not TransferState.OPEN:
                 return Admission.LATE
             if self._clock() > record.deadline_s:
@@ -243,6 +255,15 @@ class TransferRegistry:
             record.bytes_received += size_bytes
             deliver = self._take_undelivered_locked(record)
         self._deliver_failure(record, deliver)
+
+    @staticmethod
+    def _replays_committed_locked(record: TransferRecord, spec: ChunkSpec, checksum: int) -> bool:
+        sequences = record._committed_sequences
+        index = bisect_left(sequences, spec.sequence)
+        if index == len(sequences) or sequences[index] != spec.sequence:
+            return False
+        stored = tuple(record._committed_contents[5 * index : 5 * index + 5])
+        return stored == (spec.layer_start, spec.layer_end, spec.block_start, spec.block_end, checksum)
 
     @staticmethod
     def _cells_free_locked(record: TransferRecord, spec: ChunkSpec) -> bool:
@@ -332,6 +353,12 @@ class TransferRegistry:
             if failure is None:
                 record._move(TransferState.COMMITTED)
                 self._committed += 1
+                for sequence in sorted(record._accepted):
+                    spec, checksum = record._accepted[sequence]
+                    record._committed_sequences.append(sequence)
+                    record._committed_contents.extend(
+                        (spec.layer_start, spec.layer_end, spec.block_start, spec.block_end, checksum)
+                    )
             else:
                 # The target's own commit failed: it knows, and is not told again (commit and fail
                 # are never both called).

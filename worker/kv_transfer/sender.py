@@ -37,7 +37,12 @@ from worker.kv_transfer.config import SenderConfig, TransportSecurity, grpc_opti
 from worker.kv_transfer.failures import FAILURE_METADATA_KEY, FailureReason, TransferFailure, reason_from_grpc
 from worker.kv_transfer.faults import NO_CHUNK_FAULTS, FaultInjector, FaultSide
 from worker.kv_transfer.ids import check_request_id, check_transfer_id
-from worker.kv_transfer.interfaces import StreamingTransferSource, TransferOutcome, TransferPartsSource, TransferSource
+from worker.kv_transfer.interfaces import (
+    StreamingTransferSource,
+    TransferOutcome,
+    TransferPartsSource,
+    TransferSource,
+)
 from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
 from worker.kv_transfer.shm import PROBE_BYTES, Segment, SegmentPool, ShmError

@@ -5,7 +5,7 @@ Loading PEM files is I/O at the edge (`TlsConfig.from_files`); the config itself
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,7 @@ class TlsConfig:
     """This node's certificate chain and key, and the CA that peers' certificates must chain to."""
 
     certificate_chain_pem: bytes
-    private_key_pem: bytes
+    private_key_pem: bytes = field(repr=False)  # never printed
     root_certificates_pem: bytes
     # The server requires and verifies a client certificate (mutual TLS).
     require_client_auth: bool = True
