@@ -70,7 +70,11 @@ def cluster(ray_cluster, request):
                 {"role": "PREFILL", "count": 2, "num_cpus": 0.4},
                 {"role": "GENERATION", "count": 2, "num_cpus": 0.4},
             ],
-            "engine": {"num_blocks": 512, "tokens_per_block": 16, "chunk_unit_tokens": 16, "max_num_tokens": 64},
+            # No prefix reuse: a request whose prompt a reference run cached would have one chunk
+            # left, and a hold in CONTEXT_IN_PROGRESS (after the first chunk) would hold nothing.
+            "engine": {
+                "num_blocks": 512, "tokens_per_block": 16, "chunk_unit_tokens": 16, "max_num_tokens": 64, "enable_prefix_reuse": False,
+            },
             "router": {
                 "health": HEALTH,
                 "timeouts": TIMEOUTS,
