@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
-from cluster.cli import bench, chaos, demo, generate, serve, status
+from cluster.cli import bench, chaos, demo, generate, profile, serve, status
 from cluster.cli.common import EXIT_OK, AddParser, Handler, HelpFormatter, run_handler
 
 SUBCOMMANDS: tuple[AddParser, ...] = (
@@ -32,6 +32,7 @@ SUBCOMMANDS: tuple[AddParser, ...] = (
     demo.add_parser,
     bench.add_parser,
     chaos.add_parser,
+    profile.add_parser,
 )
 
 
