@@ -12,9 +12,8 @@ and the output bookkeeping as well as the forward pass's fixed cost. Experiments
 - hand-over control path: a one-block KV push to a receiver process on 127.0.0.1 (worker/kv_transfer/),
   median of several over a warm connection: Prepare, one chunk, Commit.
 
-The fit is least squares of step_s = overhead + a x context tokens + b x pairs + c x decode requests
-+ d x decode context tokens, with coefficients held at >= 0 (a negative one is dropped and the rest
-refitted). The result is a plain dict in the profile format (the cluster side reads it; worker
+The fit is relative least squares of step_s = overhead + a x context tokens + b x pairs + c x decode requests
++ d x decode context tokens, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
 never imports cluster).
 """
 
@@ -131,14 +130,12 @@ def measure_steps(model, tokenizer, plan: ProfilePlan, progress: Callable[[str],
     return samples
 
 
-def fit(samples: Sequence[StepSample]) -> tuple[dict[str, float], dict[str, float]]:
-    """Non-negative least squares by elimination (five columns, so the simple way does)."""
-    active = list(range(len(COLUMNS)))
-    rows = torch.tensor([s.row() for s in samples], dtype=torch.float64)
-    target = torch.tensor([s.step_s for s in samples], dtype=torch.float64)
+def _nnls(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Least squares with coefficients >= 0: a negative one is dropped and the rest refitted."""
+    active = list(range(rows.shape[1]))
     # Columns scaled to unit size so that the tiny per-pair coefficient is not lost to conditioning.
-    scale = rows.abs().amax(dim=0).clamp(min=1.0)
-    coefficients = torch.zeros(len(COLUMNS), dtype=torch.float64)
+    scale = rows.abs().amax(dim=0).clamp(min=1e-12)
+    coefficients = torch.zeros(rows.shape[1], dtype=torch.float64)
     while active:
         solution = torch.linalg.lstsq(rows[:, active] / scale[active], target.unsqueeze(1)).solution.squeeze(1) / scale[active]
         negative = [active[i] for i, value in enumerate(solution.tolist()) if value < 0]
@@ -146,12 +143,28 @@ def fit(samples: Sequence[StepSample]) -> tuple[dict[str, float], dict[str, floa
             coefficients[active] = solution
             break
         active = [c for c in active if c not in negative]
-    predicted = rows @ coefficients
-    relative = ((predicted - target).abs() / target).tolist()
+    return coefficients
+
+
+def fit(samples: Sequence[StepSample], trim_fraction: float = 0.15) -> tuple[dict[str, float], dict[str, float]]:
+    """Relative least squares (each step weighted by 1 / its time, so a 1 ms decode step counts as
+    much as a 100 ms prefill), non-negative; then the `trim_fraction` worst-fitting steps (another
+    process took the core: shared machines) are dropped and the fit is redone."""
+    rows = torch.tensor([s.row() for s in samples], dtype=torch.float64)
+    target = torch.tensor([s.step_s for s in samples], dtype=torch.float64)
+    weights = 1.0 / target
+    coefficients = _nnls(rows * weights.unsqueeze(1), target * weights)
+    relative = ((rows @ coefficients - target).abs() / target)
+    keep = relative.argsort()[: max(len(COLUMNS) + 1, int(len(samples) * (1 - trim_fraction)))]
+    coefficients = _nnls(rows[keep] * weights[keep].unsqueeze(1), target[keep] * weights[keep])
+    relative = ((rows @ coefficients - target).abs() / target).tolist()
+    kept = sorted(relative[i] for i in keep.tolist())
     quality = {
         "samples": len(samples),
+        "samples_kept": len(kept),
         "median_relative_error": statistics.median(relative),
-        "p90_relative_error": sorted(relative)[int(0.9 * (len(relative) - 1))],
+        "median_relative_error_kept": statistics.median(kept),
+        "p90_relative_error_kept": kept[int(0.9 * (len(kept) - 1))],
     }
     return dict(zip(COLUMNS, coefficients.tolist(), strict=True)), quality
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
-from cluster.cli import bench, chaos, demo, generate, profile, serve, status
+from cluster.cli import bench, chaos, demo, generate, profile, serve, sim, status
 from cluster.cli.common import EXIT_OK, AddParser, Handler, HelpFormatter, run_handler
 
 SUBCOMMANDS: tuple[AddParser, ...] = (
@@ -33,6 +33,7 @@ SUBCOMMANDS: tuple[AddParser, ...] = (
     bench.add_parser,
     chaos.add_parser,
     profile.add_parser,
+    sim.add_parser,
 )
 
 

@@ -135,6 +135,9 @@ class SimInstance:
             num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=tpb, dtype="float32", model_fingerprint=profile.model
         )
         self.stats = InstanceStats()
+        # (context tokens, context pairs, generation requests, their context tokens) per step, when
+        # a list: the engine parity test compares it with the Engine's (tests/unit/test_sim_instance.py).
+        self.step_log: list[tuple[int, int, int, int]] | None = None
         self._generation = 0  # incarnation counter: timers of a killed incarnation do nothing
         self.dead = False
         self._reset()
@@ -403,6 +406,8 @@ class SimInstance:
             self.blocks.add_token(llm.request_id)
             decode_context += llm.num_tokens(0)
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
+        if self.step_log is not None:
+            self.step_log.append((context_tokens, pairs, len(schedule.generation), decode_context))
         stats = self.stats
         stats.busy_s += step_s
         stats.steps += 1
