@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
-from cluster.cli import bench, chaos, demo, generate, profile, serve, sim, status
+from cluster.cli import bench, chaos, demo, generate, plan, profile, serve, sim, status
 from cluster.cli.common import EXIT_OK, AddParser, Handler, HelpFormatter, run_handler
 
 SUBCOMMANDS: tuple[AddParser, ...] = (
@@ -34,6 +34,7 @@ SUBCOMMANDS: tuple[AddParser, ...] = (
     chaos.add_parser,
     profile.add_parser,
     sim.add_parser,
+    plan.add_parser,
 )
 
 
