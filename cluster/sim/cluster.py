@@ -57,6 +57,7 @@ class SimSettings:
     profile: StepProfile
     link: LinkModel = DATA_PLANES[DEFAULT_PLANE]
     rpc_latency_s: float = 0.5e-3  # one router/instance call's round trip (a Ray actor call)
+    stream_interval_s: float = 0.0  # cluster/sim/instance.py: 0 reports every step's tokens at once
     max_seq_len: int = 16384
     deaths: tuple[InstanceDeath, ...] = ()
     sampling: SamplingSpec = SamplingSpec(timeout_s=None)
@@ -124,6 +125,7 @@ def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[
                 SimInstance(
                     instance_id, engine, settings.profile, network,
                     vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_latency_s,
+                    stream_interval_s=settings.stream_interval_s,
                 )
             )
     return instances, network

@@ -31,6 +31,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from cluster.router.instance_client import InstanceRejected, InstanceUnavailable
 from cluster.sim.link import Network
 from cluster.sim.profile import StepProfile, context_pairs
@@ -50,7 +52,6 @@ from worker.protocol import (
     EngineLoad,
     ErrorCode,
     InstanceInfo,
-    InstanceRole,
     PollBatch,
     PushResult,
     RequestError,
@@ -117,6 +118,7 @@ class SimInstance:
         vocab_size: int = 32000,
         max_seq_len: int = 4096,
         rpc_latency_s: float = 0.5e-3,
+        stream_interval_s: float = 0.0,
     ) -> None:
         self.instance_id = instance_id
         self.config = config
@@ -126,6 +128,12 @@ class SimInstance:
         self.vocab_size = vocab_size
         self.max_seq_len = min(config.max_seq_len or max_seq_len, max_seq_len)
         self.rpc_latency_s = rpc_latency_s
+        # 0: every step's tokens are reported at once (duet's engine). > 0: a request's tokens of
+        # consecutive steps are merged into one output, reported at most this long after the first
+        # of them (vLLM's and trtllm-serve's stream_interval). First tokens, ends, errors, state
+        # events, reservations and push results are never held, so TTFT, TPOT and e2e are exact;
+        # ITL is seen in chunks. It cuts the router's per-token work for very large simulations.
+        self.stream_interval_s = stream_interval_s
         tpb = config.tokens_per_block
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (profile.kv_bytes_per_token * tpb))
         self.num_blocks = num_blocks
@@ -135,6 +143,7 @@ class SimInstance:
             num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=tpb, dtype="float32", model_fingerprint=profile.model
         )
         self.stats = InstanceStats()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
         # (context tokens, context pairs, generation requests, their context tokens) per step, when
         # a list: the engine parity test compares it with the Engine's (tests/unit/test_sim_instance.py).
         self.step_log: list[tuple[int, int, int, int]] | None = None
@@ -166,12 +175,15 @@ class SimInstance:
         self._requests: dict[str, _Request] = {}
         self._active: list[LlmRequest] = []
         self._outputs: list[RequestOutput] = []
+        self._merge: dict[str, int] = {}  # request id -> index in _outputs of its held token output
+        self._urgent = False  # _outputs holds something that is not held (stream_interval_s)
+        self._flush_at: float | None = None
         self._events: list[StateEvent] = []
         self._reservations: list[ReservationNotice] = []
         self._pushes: list[PushResult] = []
         self._sequence = 0
         self._stepping = False
-        self._mail: asyncio.Event | None = None
+        self._waiter: asyncio.Future | None = None  # the poll waiting for mail
         self._generation += 1
         self.incarnation = f"sim-{self.instance_id}-{self._generation}"
         self.draining = False
@@ -179,10 +191,13 @@ class SimInstance:
     # --- clock and timers ---------------------------------------------------------------------------
     @property
     def _loop(self) -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
+        loop = self._event_loop
+        if loop is None:  # the loop that runs the simulation: the first call's (one per run)
+            loop = self._event_loop = asyncio.get_running_loop()
+        return loop
 
     def _now(self) -> float:
-        return asyncio.get_running_loop().time()
+        return self._loop.time()
 
     def _at(self, when_s: float, callback: Callable[..., None], *args: object) -> None:
         generation = self._generation
@@ -204,8 +219,7 @@ class SimInstance:
         """SIGKILL: everything it held is gone; every call fails until `restart`."""
         self.dead = True
         self._generation += 1
-        if self._mail is not None:
-            self._mail.set()  # a poll waiting on it answers (with InstanceUnavailable)
+        self._wake()  # a poll waiting for mail answers (with InstanceUnavailable)
 
     def restart(self) -> None:
         """A new process under the same id (a new incarnation, empty)."""
@@ -295,13 +309,16 @@ class SimInstance:
         if self.dead:
             await self._rpc()
         if not self._has_mail():
-            if self._mail is None:
-                self._mail = asyncio.Event()
-            self._mail.clear()
+            # A bare future and one timer (not wait_for on an Event, which costs a task per poll):
+            # this runs once per engine step of every instance.
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _resolve, waiter)
             try:
-                await asyncio.wait_for(self._mail.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
         await self._rpc()  # the answer's trip; what arrives meanwhile travels with it
         return self._take_mail()
 
@@ -312,14 +329,25 @@ class SimInstance:
 
     # --- mail -----------------------------------------------------------------------------------------
     def _has_mail(self) -> bool:
-        return bool(self._outputs or self._events or self._reservations or self._pushes)
+        """Mail to answer a poll with now (held token outputs wait for their flush)."""
+        return bool(self._urgent or self._events or self._reservations or self._pushes)
 
     def _wake(self) -> None:
-        if self._mail is not None:
-            self._mail.set()
+        """A poll waiting for mail answers (only when there is some: an empty answer is a wasted trip)."""
+        waiter = self._waiter
+        if waiter is not None and (self.dead or self._has_mail()):
+            _resolve(waiter)
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        if self._outputs:
+            self._urgent = True
+            self._wake()
 
     def _take_mail(self) -> PollBatch:
         outputs, self._outputs = self._outputs, []
+        self._merge.clear()
+        self._urgent = False
         events, self._events = self._events, []
         reservations, self._reservations = self._reservations, []
         pushes, self._pushes = self._pushes, []
@@ -327,15 +355,17 @@ class SimInstance:
         return PollBatch(self.incarnation, self._sequence, tuple(outputs), tuple(events), tuple(reservations), tuple(pushes), self.load())
 
     def load(self) -> EngineLoad:
+        """worker/engine.py Engine.load, computed the same way."""
         queued = running = queued_tokens = in_flight = 0
         blocks = self.blocks
+        context_init = S.CONTEXT_INIT
         for llm in self._active:
-            if llm.state is S.CONTEXT_INIT and not blocks.has_sequence(llm.request_id):
+            if llm.state is context_init and not blocks.has_sequence(llm.request_id):
                 queued += 1
                 queued_tokens += llm.prompt_len
             else:
                 running += 1
-                in_flight += llm.num_tokens(0)
+                in_flight += len(llm.tokens[0])
         return EngineLoad(
             role=self.role,
             total_blocks=blocks.num_blocks,
@@ -358,9 +388,25 @@ class SimInstance:
         self._event(request.submit.request_id, state, detail)
 
     def _output(self, request: _Request, tokens: tuple[int, ...], **fields: object) -> None:
+        rid = request.submit.request_id
+        interval = self.stream_interval_s
+        if interval and not fields:
+            index = self._merge.get(rid)
+            if index is not None:  # merge into the held output of this request
+                held = self._outputs[index]
+                self._outputs[index] = msgspec.structs.replace(
+                    held, new_token_ids=held.new_token_ids + tokens, num_output_tokens=request.num_outputs
+                )
+                return
+            self._merge[rid] = len(self._outputs)
+            if self._flush_at is None:
+                self._flush_at = self._now() + interval
+                self._at(self._flush_at, self._flush)
+        else:
+            self._urgent = True
         self._outputs.append(
             RequestOutput(
-                request.submit.request_id, tokens, "",
+                rid, tokens, "",
                 num_prompt_tokens=len(request.submit.prompt_token_ids),
                 num_output_tokens=request.num_outputs,
                 num_cached_tokens=request.num_cached_tokens,
@@ -417,6 +463,9 @@ class SimInstance:
 
     def _complete(self, schedule: ScheduleOutput) -> None:
         reuse = self.config.enable_prefix_reuse
+        requests = self._requests
+        vocab = self.vocab_size
+        max_seq_len = self.max_seq_len
         done: set[str] = set()
         for llm in schedule.context:
             llm.move_to_next_context_chunk()
@@ -424,18 +473,18 @@ class SimInstance:
         sampled.extend(schedule.generation)
         self.stats.generated_tokens += len(sampled)
         for llm in sampled:
-            request = self._requests.get(llm.request_id)
+            request = requests.get(llm.request_id)
             if request is None or request.finished:
                 continue  # aborted during the step: its blocks are gone already
-            finishing_context = llm.state is S.CONTEXT_INIT or llm.state is S.DISAGG_CONTEXT_INIT_AND_TRANS
+            state = llm.state
+            finishing_context = state is S.CONTEXT_INIT or state is S.DISAGG_CONTEXT_INIT_AND_TRANS
             if finishing_context and reuse:
                 self.blocks.store_context_blocks(llm)
-            token = instant_token(request.seed, request.num_outputs, self.vocab_size)
+            token = instant_token(request.seed, request.num_outputs, vocab)
             llm.add_new_token(token)
             request.num_outputs += 1
-            if request.num_outputs >= request.submit.sampling_params.max_tokens or llm.num_tokens(0) >= self.max_seq_len:
-                reason = FinishReason.LENGTH
-                self._finish(request, S.GENERATION_COMPLETE, token, reason)
+            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(llm.tokens[0]) >= max_seq_len:
+                self._finish(request, S.GENERATION_COMPLETE, token, FinishReason.LENGTH)
                 done.add(llm.request_id)
                 continue
             if finishing_context and request.submit.request_type is RequestType.CONTEXT_ONLY:
@@ -633,5 +682,6 @@ class SimInstance:
         self.blocks.check_integrity()
 
 
-def is_generation_role(role: InstanceRole) -> bool:
-    return role in (InstanceRole.GENERATION, InstanceRole.MIXED)
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
