@@ -168,3 +168,15 @@ def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovere
     # The health bound (dead_after_s) passed on the simulated clock, not the wall clock.
     assert outcome.virtual_s > config.router.health.dead_after_s
     assert outcome.wall_s < 30
+
+
+def test_a_stream_interval_merges_tokens_but_keeps_ttft_tpot_and_e2e_exact() -> None:
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)])
+    requests = _requests(20, output_len=40)
+    every_step = simulate(config, SETTINGS, requests, PoissonArrivals(40.0))
+    merged = simulate(config, SimSettings(PROFILE, stream_interval_s=0.05), requests, PoissonArrivals(40.0))
+    for a, b in zip(every_step.point.outcome.records, merged.point.outcome.records, strict=True):
+        assert (a.ttft_s, a.e2e_s, a.output_tokens) == pytest.approx((b.ttft_s, b.e2e_s, b.output_tokens), abs=1e-12)
+        assert a.tpot_s == pytest.approx(b.tpot_s, abs=1e-12)
+        assert len(b.chunk_times_s) < len(a.chunk_times_s)  # fewer, larger token messages
+    _check_invariants(merged)

@@ -176,3 +176,36 @@ def test_duet_sim_names_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--instances", "3X"]) == 2
     assert "--instances" in capsys.readouterr().err
     assert main(["sim", "--profile", "nope"]) == 2
+
+
+def test_duet_plan_marks_the_best_split_and_writes_a_config_duet_serve_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+    from cluster.deploy.config import ClusterConfig
+
+    code = main(["plan", "--instances", "2", "--policies", "round_robin", "--workload", "fixed", "--num-requests", "60",
+                 "--input-len", "64", "--output-len", "8", "--duration", "1", "--slo-ttft-ms", "200", "--slo-tpot-ms", "50",
+                 "--out", str(tmp_path), "--no-plots"])
+    out = capsys.readouterr().out
+    assert code == 0
+    envelope = _envelope(out)["figures"]
+    assert set(envelope["candidates"]) == {"2 MIXED round_robin", "1P:1D round_robin"}
+    assert envelope["best"] in envelope["candidates"] and "* " + envelope["best"] in out
+    assert envelope["best_goodput_per_instance"] == max(envelope["candidates"].values()) > 0
+    config = ClusterConfig.from_yaml(envelope["cluster_yaml"])
+    assert sum(group.count for group in config.instances) == 2
+    assert json.loads((tmp_path / "plan.json").read_text())["probes"]
+
+
+def test_a_candidate_becomes_the_config_it_names() -> None:
+    from cluster.deploy.config import ClusterConfig
+    from cluster.router.config import DisaggMode
+    from cluster.sim.plan import Candidate, candidates
+
+    assert [c.label for c in candidates(3, ["kv_aware"])] == ["3 MIXED kv_aware", "1P:2D kv_aware", "2P:1D kv_aware"]
+    base = ClusterConfig.from_dict({"engine": {"num_blocks": 100}})
+    mixed = Candidate(0, 4, "least_loaded").config(base)
+    assert [(g.role.name, g.count) for g in mixed.instances] == [("MIXED", 4)]
+    assert mixed.router.placement.disaggregation is DisaggMode.NEVER and mixed.engine == {"num_blocks": 100}
+    split = Candidate(1, 3, "round_robin").config(base)
+    assert [(g.role.name, g.count) for g in split.instances] == [("PREFILL", 1), ("GENERATION", 3)]
+    assert split.router.placement.prefill_policy.__class__.__name__ == "RoundRobinParams"
