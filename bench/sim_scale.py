@@ -45,7 +45,7 @@ from cluster.router.driver import Router  # noqa: E402
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.cluster import SIM_VOCAB_SIZE, SimSettings, build_instances  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
-from cluster.sim.profile import load_profile  # noqa: E402
+from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.vclock import run_virtual  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402

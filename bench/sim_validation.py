@@ -38,7 +38,7 @@ from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_worklo
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
-from cluster.sim.profile import load_profile  # noqa: E402
+from cluster.sim.catalog import load_profile  # noqa: E402
 
 BENCH = "sim_validation"
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")

@@ -29,7 +29,13 @@ from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.metrics import Slo, SloError
 from cluster.loadgen.report import envelope, render_table
 from cluster.loadgen.runner import SamplingSpec
-from cluster.loadgen.workloads import WorkloadConfig, WorkloadError, WorkloadKind, build_workload, load_sharegpt
+from cluster.loadgen.workloads import (
+    WorkloadConfig,
+    WorkloadError,
+    WorkloadKind,
+    build_workload,
+    load_sharegpt,
+)
 from cluster.sim.plan import POLICIES, CandidateResult, best, plan
 
 BENCH_NAME = "duet_plan"
@@ -52,10 +58,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=list(POLICIES), help="placement policies to try")
     search.add_argument("--duration", type=float, default=None, metavar="S",
                         help="simulated seconds of arrivals per probe (default 30, quick 5); --num-requests caps the pool")
-    search.add_argument("--seed", type=int, default=0, metavar="S")
+    search.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the workload and arrival times")
     output = parser.add_argument_group("output")
     output.add_argument("--out", default=None, metavar="DIR", help="plan.json, plan.png, best-cluster.yaml (default ./plan-results/<time>)")
-    output.add_argument("--no-plots", action="store_true")
+    output.add_argument("--no-plots", action="store_true", help="write no plan.png")
     output.add_argument("--quick", action="store_true", help="few requests, coarse search (a smoke test)")
     add_log_level(output, "ERROR")
     parser.set_defaults(handler=run)

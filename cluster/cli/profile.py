@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--name", default=None, help="the profile's name (default: the file's stem)")
     parser.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face checkpoint (default: built-in)")
     parser.add_argument("--bench-model", action="store_true", help="the 8-layer, hidden-512 bench model (bench/engine_bench.py)")
-    parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"), help="model and KV dtype")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (an instance's torch_threads)")
     parser.add_argument("--quick", action="store_true", help="a few shapes only (a smoke test)")

@@ -39,9 +39,10 @@ from cluster.loadgen.report import render_table
 from cluster.loadgen.runner import PointResult
 from cluster.loadgen.trace import read_trace, trace_workload
 from cluster.loadgen.workloads import WorkloadError, build_workload, load_sharegpt
+from cluster.sim.catalog import load_profile, shipped_profiles
 from cluster.sim.cluster import InstanceDeath, SimOutcome, SimSettings, simulate
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkError, data_plane
-from cluster.sim.profile import ProfileError, load_profile, shipped_profiles
+from cluster.sim.profile import ProfileError
 from worker.protocol import InstanceRole
 
 BENCH_NAME = "duet_sim"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
+from cluster.loadgen.arrivals import FixedConcurrency
 from cluster.loadgen.metrics import percentile
 from cluster.loadgen.report import PointResult
 

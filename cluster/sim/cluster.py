@@ -136,7 +136,7 @@ async def simulate_async(
     settings: SimSettings,
     requests: Sequence[BenchRequest],
     arrivals: Arrivals,
-    slo: Slo = Slo(),
+    slo: Slo | None = None,
     *,
     on_done: Any = None,
 ) -> SimOutcome:
@@ -184,7 +184,7 @@ async def simulate_async(
                 stats.transfers_failed, stats.bytes_sent, network.network.bytes_received.get(instance.instance_id, 0),
             )
         )
-    point = PointResult(arrivals, outcome, compute_metrics(outcome.records, outcome.duration_s, slo))
+    point = PointResult(arrivals, outcome, compute_metrics(outcome.records, outcome.duration_s, slo or Slo()))
     router_figures = {
         "illegal_transitions": router.illegal_transitions,
         "inconsistent_reports": router.inconsistent_reports,
@@ -199,7 +199,7 @@ def simulate(
     settings: SimSettings,
     requests: Sequence[BenchRequest],
     arrivals: Arrivals,
-    slo: Slo = Slo(),
+    slo: Slo | None = None,
     *,
     on_done: Any = None,
 ) -> SimOutcome:

@@ -45,7 +45,7 @@ from worker.engine_types import EngineConfig
 from worker.instant import instant_token
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
-from worker.kv_transfer.faults import FaultInjector, FaultKind, FaultSide
+from worker.kv_transfer.faults import FaultInjector, FaultSide
 from worker.protocol import (
     EVENT_PREFILL_STARTED,
     REQUEST_TYPES_BY_ROLE,

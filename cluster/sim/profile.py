@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_FORMAT = "duet.step_profile.v1"
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 class ProfileError(ValueError):
@@ -99,27 +98,3 @@ def context_pairs(cached_tokens: int, chunk_tokens: int) -> int:
     """(query, key) pairs a context chunk attends: each of its tokens sees the cache and the chunk's
     tokens before it (causal)."""
     return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1) // 2
-
-
-def shipped_profiles() -> dict[str, Path]:
-    """The profiles that ship with duet, by name (file stem)."""
-    return {path.stem: path for path in sorted(PROFILES_DIR.glob("*.json"))}
-
-
-def load_profile(name_or_path: str | Path) -> StepProfile:
-    """A profile by shipped name (`cpu-builtin`), by roofline spec (`roofline:h100-sxm:llama-3-8b`),
-    or by path to a JSON file."""
-    text = str(name_or_path)
-    if text.startswith("roofline:"):
-        from cluster.sim.roofline import roofline_profile_from_spec
-
-        return roofline_profile_from_spec(text)
-    shipped = shipped_profiles()
-    path = shipped.get(text, Path(text))
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ProfileError(f"{text}: no such file, and not a shipped profile ({', '.join(shipped) or 'none'})") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise ProfileError(f"{text}: {error}") from None
-    return StepProfile.from_dict(data)

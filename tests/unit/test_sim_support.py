@@ -12,8 +12,9 @@ import pytest
 from cluster.loadgen.arrivals import ArrivalError, ScheduledArrivals
 from cluster.loadgen.trace import parse_rows, read_trace, trace_workload
 from cluster.loadgen.workloads import WorkloadError
+from cluster.sim.catalog import load_profile, shipped_profiles
 from cluster.sim.link import DATA_PLANES, LinkModel, Network
-from cluster.sim.profile import ProfileError, StepProfile, context_pairs, load_profile, shipped_profiles
+from cluster.sim.profile import ProfileError, StepProfile, context_pairs
 from cluster.sim.roofline import DEVICES, MODELS, RooflineInputs, roofline_profile
 from cluster.sim.vclock import SimulationDeadlock, run_virtual
 
@@ -102,7 +103,7 @@ def test_the_profile_fit_recovers_known_coefficients() -> None:
                 if ctx == seqs == 0:
                     continue
                 row = (ctx, context_pairs(0, ctx), seqs, seqs * length)
-                samples.append(StepSample(*row, truth[0] + sum(c * x for c, x in zip(truth[1:], row))))
+                samples.append(StepSample(*row, truth[0] + sum(c * x for c, x in zip(truth[1:], row, strict=False))))
     coefficients, quality = fit(samples)
     assert list(coefficients.values()) == pytest.approx(truth, rel=1e-6)
     assert quality["median_relative_error"] < 1e-9
@@ -124,7 +125,7 @@ def test_an_azure_format_trace_replays_with_its_send_times(tmp_path: Path) -> No
     assert len(rows) == 200
     requests, arrivals = trace_workload(rows, seed=1, max_requests=50)
     assert len(requests) == 50 and arrivals.offsets[0] == 0.0
-    assert all(b >= a for a, b in zip(arrivals.offsets, arrivals.offsets[1:]))
+    assert all(b >= a for a, b in zip(arrivals.offsets, arrivals.offsets[1:], strict=False))
     assert [len(r.prompt) for r in requests] == [r.prompt_tokens for r in sorted(rows, key=lambda r: r.arrival_s)[:50]]
     assert 4 < arrivals.x_value < 16  # the sample is ~8 requests/s
     halved = trace_workload(rows, seed=1, max_requests=50, time_scale=0.5)[1]
