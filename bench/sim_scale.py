@@ -5,7 +5,8 @@ cluster's capacity (cluster/sim/capacity.py, from the profile: roofline H100 SXM
 default, so the sizes are a real deployment's), the real router (KV-aware prefill placement,
 least-loaded generation) and every instance's real scheduler on virtual time. Requests are sent
 straight to the router's API and their token times recorded (the load runner's work without its
-per-request generator chain; the same RequestRecords and metrics). KV moves over an RDMA-class
+per-request generator chain; the same RequestRecords and metrics). `cpu_s` is the process's CPU
+time: on a shared machine, where wall time includes other processes' turns, the one-core figure. KV moves over an RDMA-class
 link (rdma-400g: a 25 GbE link cannot carry Llama 3 8B's 128 KiB per token at this rate). Instances
 merge each request's tokens for up to 50 ms before reporting them (--stream-interval-ms, vLLM's
 stream_interval): first tokens, ends and every state event go out at once, so TTFT, TPOT and e2e
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import logging
 import pstats
 import random
@@ -140,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="instances merge a request's tokens for up to this long (0: every step; TTFT, TPOT, e2e exact either way)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cprofile", action="store_true", help="profile the run and report the router's share")
+    parser.add_argument("--instances", default=None, metavar="P,G", help="override the 64,192 split (e.g. 16,48)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     num_prefill, num_generation = (4, 12) if args.quick else (NUM_PREFILL, NUM_GENERATION)
+    if args.instances:
+        num_prefill, num_generation = (int(x) for x in args.instances.split(","))
     count = args.requests or (1000 if args.quick else 100_000)
     config = cluster_config(num_prefill, num_generation)
     settings = SimSettings(load_profile(args.profile), data_plane(args.link), stream_interval_s=args.stream_interval_ms / 1e3)
@@ -154,14 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     requests = workload(count, args.seed)
     build_s = time.perf_counter() - started
+    gc.freeze()  # the workload lives through the run: no collection needs to walk it
     profiler = cProfile.Profile() if args.cprofile else None
     started = time.perf_counter()
+    cpu_started = time.process_time()
     if profiler:
         profiler.enable()
     records, virtual_s, instances, router = run_virtual(simulate(requests, rate, config, settings, args.seed))
     if profiler:
         profiler.disable()
     wall_s = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu_started
     metrics = compute_metrics(records, virtual_s, Slo())
     router_share = None
     if profiler:
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "sim_requests_per_wall_s": round(count / wall_s, 1),
         "router_us_per_request": round(1e6 * wall_s / count, 1),
         "wall_s": round(wall_s, 2),
+        "cpu_s": round(cpu_s, 2),  # this process's CPU time: the one-core figure on a shared machine
         "workload_build_s": round(build_s, 2),
         "simulated_s": round(virtual_s, 2),
         "rate_per_s": round(rate, 1),
