@@ -8,6 +8,9 @@ dispatch to the chosen subcommand's handler.
     duet demo
     duet bench --quick
     duet chaos --requests 300
+    duet sim --instances 64P,192G --profile roofline:h100-sxm:llama-3-8b --rate 2500
+    duet plan --instances 8 --slo-ttft-ms 300 --slo-tpot-ms 30
+    duet profile --out cpu.json
 
 `--target HOST:PORT` (default 127.0.0.1:50051) is the gRPC front end; `--address` is always the
 Ray cluster's. Each subcommand is a module of cluster/cli with `add_parser(subparsers)`, which
