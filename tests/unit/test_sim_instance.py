@@ -37,9 +37,10 @@ def _engine_config(**overrides) -> EngineConfig:
 
 PARITY_CASES = {
     "chunked prefill and decode": {},
-    "pauses (MAX_UTILIZATION, a small pool)": {"num_blocks": 14, "capacity_policy": "MAX_UTILIZATION"},
-    "prefix reuse, unchunked": {"chunking_policy": None, "max_num_tokens": 4096},
+    "pauses (MAX_UTILIZATION, a small pool)": {"num_blocks": 12, "capacity_policy": "MAX_UTILIZATION"},
+    "prefix reuse, unchunked": {"chunking_policy": None, "max_num_tokens": 4096, "max_num_requests": 2},
 }
+MAX_TOKENS = 40
 
 
 def _prompts() -> list[tuple[int, ...]]:
@@ -73,7 +74,7 @@ def _engine_steps(config: EngineConfig, default_model) -> list[tuple[int, int, i
 
     engine = Engine(model, tokenizer, config, runner_factory=factory)
     for index, prompt in enumerate(_prompts()):
-        params = SamplingParams(max_tokens=12 + index, temperature=0.0, ignore_eos=True, seed=index)
+        params = SamplingParams(max_tokens=MAX_TOKENS + index, temperature=0.0, ignore_eos=True, seed=index)
         engine.add_request(SubmitRequest(f"r{index}", prompt, params, RequestType.CONTEXT_AND_GENERATION))
     steps = []
     while engine.num_requests:
@@ -84,17 +85,17 @@ def _engine_steps(config: EngineConfig, default_model) -> list[tuple[int, int, i
     return steps
 
 
-def _sim_steps(config: EngineConfig) -> list[tuple[int, int, int, int]]:
+def _sim_steps(config: EngineConfig) -> SimInstance:
     async def main():
         instance = SimInstance("m", config, PROFILE, SimNetwork(Network(DATA_PLANES["grpc-25gbe"])), rpc_latency_s=0.0)
         instance.step_log = []
         for index, prompt in enumerate(_prompts()):
-            params = SamplingParams(max_tokens=12 + index, temperature=0.0, ignore_eos=True, seed=index)
+            params = SamplingParams(max_tokens=MAX_TOKENS + index, temperature=0.0, ignore_eos=True, seed=index)
             await instance.submit(SubmitRequest(f"r{index}", prompt, params, RequestType.CONTEXT_AND_GENERATION))
         while instance.num_requests:
             await asyncio.sleep(0.01)
         instance.check_integrity()
-        return instance.step_log
+        return instance
 
     return run_virtual(main())
 
@@ -103,7 +104,12 @@ def _sim_steps(config: EngineConfig) -> list[tuple[int, int, int, int]]:
 def test_simulated_instance_schedules_every_step_as_the_engine_does(case: str, default_model) -> None:
     # Same scheduler, same block manager, same order of block operations: the same batches, step by step.
     config = _engine_config(**PARITY_CASES[case])
-    assert _sim_steps(config) == _engine_steps(config, default_model)
+    instance = _sim_steps(config)
+    assert instance.step_log == _engine_steps(config, default_model)
+    if "pauses" in case:
+        assert instance.stats.pauses > 0
+    if "reuse" in case:  # a first chunk that starts past cached blocks attends more than its own tokens
+        assert any(ctx and pairs > ctx * (ctx + 1) // 2 for ctx, pairs, _, _ in instance.step_log)
 
 
 def _cluster(groups: list[tuple[str, int]], **engine) -> ClusterConfig:
