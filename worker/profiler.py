@@ -63,7 +63,7 @@ class ProfilePlan:
 
     @classmethod
     def quick(cls) -> ProfilePlan:
-        return cls((32, 128, 256), (1, 8), (64, 256), 4, 1, 5)
+        return cls((32, 128), (1, 4), (64,), 4, 1, 3)
 
 
 class _BatchRecorder:

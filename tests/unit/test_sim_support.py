@@ -210,3 +210,19 @@ def test_a_candidate_becomes_the_config_it_names() -> None:
     split = Candidate(1, 3, "round_robin").config(base)
     assert [(g.role.name, g.count) for g in split.instances] == [("PREFILL", 1), ("GENERATION", 3)]
     assert split.router.placement.prefill_policy.__class__.__name__ == "RoundRobinParams"
+
+
+def test_duet_profile_measures_this_machine_and_writes_a_profile_duet_sim_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from cluster.cli.main import main
+
+    out = tmp_path / "here.json"
+    assert main(["profile", "--quick", "--out", str(out)]) == 0
+    profile = load_profile(str(out))
+    assert profile.source == "measured" and profile.model == "builtin" and profile.kv_bytes_per_token == 2048
+    assert profile.step_s(0, 0, 4, 400) > 0 and 0 < profile.handover_fixed_s < 1.0
+    assert profile.fit["samples"] >= 8
+    roof = tmp_path / "roof.json"
+    assert main(["profile", "--roofline", "a100-80g:qwen2-7b", "--out", str(roof)]) == 0
+    assert load_profile(str(roof)).source == "roofline"
+    assert main(["profile", "--roofline", "tpu:llama", "--out", str(roof)]) == 2
