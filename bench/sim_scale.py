@@ -14,10 +14,11 @@ are exactly those of reporting every step (tests/unit/test_sim_instance.py check
 seen in chunks; the router handles ~6x fewer token messages.
 
 Figures: `sim_requests_per_wall_s` (requests simulated per wall second), `instances`, `requests`,
-`router_us_per_request` (wall microseconds of the whole simulation per request: the router, the
-instances' schedulers and the event loop together; the router's own share from a profile of the
---quick run is in `router_share`), the simulated duration, latencies and utilisation. Target: the
-full run within 300 s of wall time.
+`sim_us_per_request` (wall microseconds of the whole simulation per request), `router_us_per_request`
+(the router's own CPU per request: its share of the run's CPU, sampled from the stack every 10 ms,
+with the whole split in `cpu_shares`: router, simulated instances, scheduler, load side, event
+loop), the simulated duration, latencies and utilisation. Target: the full run within 300 s of
+wall time.
 
     python bench/sim_scale.py [--quick] [--requests N] [--profile P] [--load 0.7]
 """
@@ -32,6 +33,7 @@ import logging
 import pstats
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,9 +47,9 @@ from cluster.loadgen.workloads import lognormal_length  # noqa: E402
 from cluster.router.api import ClientRequest, FinalEvent, Outcome  # noqa: E402
 from cluster.router.driver import Router  # noqa: E402
 from cluster.sim.capacity import cluster_rps  # noqa: E402
+from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SIM_VOCAB_SIZE, SimSettings, build_instances  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
-from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.vclock import run_virtual  # noqa: E402
 from worker.sampling import SamplingParams  # noqa: E402
 from worker.tokenizer import ByteTokenizer  # noqa: E402
@@ -60,6 +62,49 @@ ENGINE = {  # an H100 serving Llama 3 8B in bf16: ~30 GB of KV after the weights
     "num_blocks": 16384, "tokens_per_block": 16, "max_num_requests": 256, "max_batch_size": 256,
     "max_num_tokens": 8192, "chunk_unit_tokens": 2048,
 }
+
+
+class StackSampler:
+    """Samples the main thread's stack every `interval_s` from a thread of its own and attributes each
+    sample to the innermost frame of one of ours: the router (cluster/router/, with the asyncio work
+    it calls), the simulated instances (cluster/sim/), the scheduler (scheduler/), the load side
+    (this file), or the event loop itself. Cheap enough for the full run (cProfile doubles it)."""
+
+    OWNERS = (("cluster/router/", "router"), ("cluster/sim/", "sim_instances"), ("scheduler/", "scheduler"),
+              ("bench/sim_scale", "load"))
+
+    def __init__(self, interval_s: float = 0.01) -> None:
+        self.interval_s = interval_s
+        self.counts: dict[str, int] = {}
+        self._main = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            frame = sys._current_frames().get(self._main)
+            owner = "event_loop"
+            while frame is not None:
+                name = frame.f_code.co_filename
+                hit = next((label for part, label in self.OWNERS if part in name), None)
+                if hit is not None:
+                    # Reached from main() through the loop alone: the event loop's own work.
+                    owner = "event_loop" if frame.f_code.co_name in ("main", "<module>") else hit
+                    break
+                frame = frame.f_back
+            self.counts[owner] = self.counts.get(owner, 0) + 1
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.counts.values()) or 1
+        return {owner: round(count / total, 3) for owner, count in sorted(self.counts.items())}
 
 
 def cluster_config(num_prefill: int, num_generation: int) -> ClusterConfig:
@@ -141,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval-ms", type=float, default=50.0,
                         help="instances merge a request's tokens for up to this long (0: every step; TTFT, TPOT, e2e exact either way)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cprofile", action="store_true", help="profile the run and report the router's share")
+    parser.add_argument("--cprofile", action="store_true", help="also profile the run with cProfile (slower) and print the top")
     parser.add_argument("--instances", default=None, metavar="P,G", help="override the 64,192 split (e.g. 16,48)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -165,19 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     cpu_started = time.process_time()
     if profiler:
         profiler.enable()
-    records, virtual_s, instances, router = run_virtual(simulate(requests, rate, config, settings, args.seed))
+    with StackSampler() as sampler:
+        records, virtual_s, instances, router = run_virtual(simulate(requests, rate, config, settings, args.seed))
     if profiler:
         profiler.disable()
+    shares = sampler.shares()
     wall_s = time.perf_counter() - started
     cpu_s = time.process_time() - cpu_started
     metrics = compute_metrics(records, virtual_s, Slo())
-    router_share = None
     if profiler:
-        stats = pstats.Stats(profiler)
-        total = sum(entry[2] for entry in stats.stats.values())  # type: ignore[attr-defined]
-        own = sum(entry[2] for key, entry in stats.stats.items() if "cluster/router/" in key[0])  # type: ignore[attr-defined]
-        router_share = own / total if total else None
-        stats.sort_stats("tottime").print_stats(15)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
     utilisation = {}
     for role in ("PREFILL", "GENERATION"):
         mine = [i.stats.busy_s / virtual_s for i in instances if i.role.name == role]
@@ -187,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         "requests": count,
         "completed": metrics.completed,
         "sim_requests_per_wall_s": round(count / wall_s, 1),
-        "router_us_per_request": round(1e6 * wall_s / count, 1),
+        "sim_us_per_request": round(1e6 * wall_s / count, 1),
+        # The router's share of the run's CPU (sampled) times CPU per request.
+        "router_us_per_request": round(shares.get("router", 0.0) * 1e6 * cpu_s / count, 1),
+        "cpu_shares": shares,
         "wall_s": round(wall_s, 2),
         "cpu_s": round(cpu_s, 2),  # this process's CPU time: the one-core figure on a shared machine
         "workload_build_s": round(build_s, 2),
@@ -202,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_p50_ms": round(metrics.tpot_ms.p50, 3) if metrics.tpot_ms else None,
         "utilisation": {k: round(v, 3) for k, v in utilisation.items()},
         "illegal_transitions": router.illegal_transitions,
-        "router_share": round(router_share, 3) if router_share is not None else None,
     }
     print_table(["figure", "value"], [[k, v] for k, v in figures.items() if not isinstance(v, dict)])
     targets = {"wall_s": Target(wall_s, MAX_WALL_S, higher_is_better=False)}
