@@ -80,6 +80,7 @@ class _Request:
     pushing: bool = False  # prefill side: a push reads its blocks
     end_after_push: Callable[[], None] | None = None
     finished: bool = False
+    expiry: asyncio.TimerHandle | None = None  # its lease or reservation timer, cancelled when it ends
 
 
 @dataclass
@@ -199,14 +200,14 @@ class SimInstance:
     def _now(self) -> float:
         return self._loop.time()
 
-    def _at(self, when_s: float, callback: Callable[..., None], *args: object) -> None:
+    def _at(self, when_s: float, callback: Callable[..., None], *args: object) -> asyncio.TimerHandle:
         generation = self._generation
 
         def fire() -> None:
             if self._generation == generation and not self.dead:
                 callback(*args)
 
-        self._loop.call_at(when_s, fire)
+        return self._loop.call_at(when_s, fire)
 
     async def _rpc(self) -> None:
         if self.rpc_latency_s:
@@ -489,7 +490,7 @@ class SimInstance:
                 continue
             if finishing_context and request.submit.request_type is RequestType.CONTEXT_ONLY:
                 self._set_state(request, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
-                self._at(self._now() + self.config.sender_lease_s, self._lease_expired, request)
+                request.expiry = self._at(self._now() + self.config.sender_lease_s, self._lease_expired, request)
                 self._output(request, (token,), context_done=True)
                 continue
             if finishing_context:
@@ -520,7 +521,7 @@ class SimInstance:
             expires_s = now + self.config.reservation_timeout_s
             self._reservations.append(ReservationNotice(llm.request_id, transfer_id, num_blocks, expires_s))
             self._set_state(request, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {num_blocks} blocks")
-            self._at(expires_s, self._reservation_expired, request, transfer_id)
+            request.expiry = self._at(expires_s, self._reservation_expired, request, transfer_id)
 
     def _reservation_expired(self, request: _Request, transfer_id: str) -> None:
         if request.finished or request.transfer_id != transfer_id or request.llm.state is not S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
@@ -548,6 +549,8 @@ class SimInstance:
         handed_over: bool = False,
     ) -> None:
         llm = request.llm
+        if request.expiry is not None:
+            request.expiry.cancel()  # 100,000 requests would otherwise leave as many dead timers queued
         if self.blocks.has_sequence(llm.request_id):
             self.blocks.remove_sequence(llm.request_id)
         self._set_state(request, state, error.detail if error else "")
@@ -656,6 +659,9 @@ class SimInstance:
         if request.llm.state is not S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
             return False
         llm = request.llm
+        if request.expiry is not None:
+            request.expiry.cancel()
+            request.expiry = None
         llm.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
         llm.context_current_position = llm.prompt_len
         llm.add_new_token(request.submit.output_token_ids[-1])  # the first token, from the prefill instance
