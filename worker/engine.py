@@ -134,7 +134,10 @@ class Engine:
         instance_id: str = "engine",
         on_inbox: Callable[[], None] | None = None,
         before_forward: Callable[[], None] | None = None,
+        runner_factory: Callable[[DecoderLM, PagedKvCache], ModelRunner] = ModelRunner,
     ) -> None:
+        # runner_factory: the seam where the forward pass can be swapped (a timing wrapper in
+        # worker/profiler.py; anything with ModelRunner.forward's contract).
         self.config = config or EngineConfig()
         self.instance_id = instance_id
         self.model = model
@@ -159,7 +162,7 @@ class Engine:
         self.kv_cache = PagedKvCache(self.layout, num_blocks, model.device)
         if model.device.type == "cuda":
             disable_cudnn_attention()
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = runner_factory(model, self.kv_cache)
         self.blocks = BlockManager(
             BlockManagerConfig(
                 tokens_per_block=cfg.tokens_per_block,

@@ -117,9 +117,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for role in ("prefill", "generation", "mixed"):
         target.add_argument(f"--{role}", type=int, default=None, metavar="N", help=f"embedded: {role.upper()} instances")
 
+    add_workload_options(parser)
+    add_load_options(parser)
+    output = add_output_options(parser)
+    add_log_level(output, "WARNING")
+    parser.set_defaults(handler=run)
+
+
+def add_workload_options(parser: argparse.ArgumentParser, extra_kinds: tuple[str, ...] = ()) -> None:
+    """The workload flags (shared with `duet sim` and `duet plan`, which add `extra_kinds`)."""
     workload = parser.add_argument_group("workload")
     workload.add_argument(
-        "--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt"), default=None,
+        "--workload", choices=("fixed", "lognormal", "shared-prefix", "multi-turn", "sharegpt", *extra_kinds), default=None,
         help="what the requests look like (default: fixed)",
     )
     workload.add_argument("--dataset", default=None, metavar="FILE", help="a ShareGPT-format JSON file (--workload sharegpt)")
@@ -136,6 +145,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     workload.add_argument("--num-requests", type=int, default=None, metavar="N",
                           help="requests per point (shared-prefix sends prefixes x suffixes)")
 
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """The arrival, sampling and SLO flags (shared with `duet sim`)."""
     load = parser.add_argument_group("load")
     shape = load.add_mutually_exclusive_group()
     shape.add_argument("--rate", type=float, nargs="+", default=None, metavar="R",
@@ -153,13 +165,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--slo-e2e-ms", type=float, default=None, metavar="MS", help="goodput: end-to-end objective")
     load.add_argument("--seed", type=int, default=0, metavar="S", help="seeds workloads and arrival times")
 
+
+def add_output_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The output flags (shared with `duet sim`); returns the group for more."""
     output = parser.add_argument_group("output")
     output.add_argument("--out", default=None, metavar="DIR", help="results.json and plots (default ./bench-results/<time>)")
     output.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     output.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     output.add_argument("--quick", action="store_true", help="a few seconds of load (CI smoke test)")
-    add_log_level(output, "WARNING")
-    parser.set_defaults(handler=run)
+    return output
 
 
 # ---- turning flags into typed settings --------------------------------------------------------
@@ -407,8 +421,18 @@ def _target_words(cluster_description: dict[str, Any]) -> str:
     return f"embedded ({groups}; {cluster_description.get('model')}, {cluster_description.get('dtype')})"
 
 
-def write_outputs(settings: BenchSettings, results: Sequence[PointResult], cluster_description: dict[str, Any]) -> None:
-    """Plots, results.json, the table, and the envelope as the very last stdout line."""
+def write_outputs(
+    settings: BenchSettings,
+    results: Sequence[PointResult],
+    cluster_description: dict[str, Any],
+    *,
+    bench_name: str = BENCH_NAME,
+    extra_text: str = "",
+    extra_figures: dict[str, Any] | None = None,
+    extra_document: dict[str, Any] | None = None,
+) -> None:
+    """Plots, results.json, the table, and the envelope as the very last stdout line. `duet sim`
+    adds its per-instance text and figures (`extra_*`)."""
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
     if settings.plots:
@@ -418,11 +442,13 @@ def write_outputs(settings: BenchSettings, results: Sequence[PointResult], clust
         except PlotsUnavailable as error:
             print(f"duet bench: plots skipped: {error}", file=sys.stderr)
     document = results_document(settings.describe() | {"cluster": cluster_description}, results, plots)
+    document.update(extra_document or {})
     results_path = write_json(settings.out_dir / "results.json", document)
     if len(results) == 1:
         sys.stdout.write(render_detail(results[0].arrivals.label, results[0].metrics))
         sys.stdout.write("\n")
     sys.stdout.write(render_sweep(results))
+    sys.stdout.write(extra_text)
     sys.stdout.write(f"\nresults: {results_path}\n")
     for path in plots:
         sys.stdout.write(f"plot: {path}\n")
@@ -432,8 +458,9 @@ def write_outputs(settings: BenchSettings, results: Sequence[PointResult], clust
         "workload": settings.workload.kind.value,
         "points": {r.arrivals.label: summary_figures(r.metrics) for r in results},
         "results": str(results_path),
+        **(extra_figures or {}),
     }
     targets = {"completed_fraction": TargetValue(completed / total if total else 0.0, 1.0, higher_is_better=True)}
-    sys.stdout.write(envelope(BENCH_NAME, figures, targets) + "\n")
+    sys.stdout.write(envelope(bench_name, figures, targets) + "\n")
     sys.stdout.flush()
 

@@ -8,6 +8,9 @@ dispatch to the chosen subcommand's handler.
     duet demo
     duet bench --quick
     duet chaos --requests 300
+    duet sim --instances 64P,192G --profile roofline:h100-sxm:llama-3-8b --rate 2500
+    duet plan --instances 8 --slo-ttft-ms 300 --slo-tpot-ms 30
+    duet profile --out cpu.json
 
 `--target HOST:PORT` (default 127.0.0.1:50051) is the gRPC front end; `--address` is always the
 Ray cluster's. Each subcommand is a module of cluster/cli with `add_parser(subparsers)`, which
@@ -22,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import version
 
-from cluster.cli import bench, chaos, demo, generate, serve, status
+from cluster.cli import bench, chaos, demo, generate, plan, profile, serve, sim, status
 from cluster.cli.common import EXIT_OK, AddParser, Handler, HelpFormatter, run_handler
 
 SUBCOMMANDS: tuple[AddParser, ...] = (
@@ -32,6 +35,9 @@ SUBCOMMANDS: tuple[AddParser, ...] = (
     demo.add_parser,
     bench.add_parser,
     chaos.add_parser,
+    profile.add_parser,
+    sim.add_parser,
+    plan.add_parser,
 )
 
 

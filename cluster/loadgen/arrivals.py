@@ -80,4 +80,35 @@ class FixedConcurrency:
         return float(self.concurrency)
 
 
-Arrivals = PoissonArrivals | FixedConcurrency
+@dataclass(frozen=True)
+class ScheduledArrivals:
+    """Send times given in advance (a replayed trace, cluster/loadgen/trace.py): request i at
+    `offsets_s[i]` seconds after the start, whatever the seed."""
+
+    offsets: tuple[float, ...]
+    name: str = "trace"
+
+    def __post_init__(self) -> None:
+        previous = 0.0
+        for offset in self.offsets:
+            if not math.isfinite(offset) or offset < previous:
+                raise ArrivalError("offsets", f"must be finite, >= 0 and non-decreasing, got {offset!r} after {previous!r}")
+            previous = offset
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @property
+    def x_value(self) -> float:
+        """The trace's mean request rate per second."""
+        span_s = self.offsets[-1] if self.offsets else 0.0
+        return len(self.offsets) / span_s if span_s > 0 else math.inf
+
+    def offsets_s(self, count: int, seed: int) -> tuple[float, ...]:
+        if count != len(self.offsets):
+            raise ArrivalError("count", f"the schedule has {len(self.offsets)} send times, not {count}")
+        return self.offsets
+
+
+Arrivals = PoissonArrivals | FixedConcurrency | ScheduledArrivals

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cluster.loadgen.arrivals import PoissonArrivals
+from cluster.loadgen.arrivals import FixedConcurrency
 from cluster.loadgen.metrics import percentile
 from cluster.loadgen.report import PointResult
 
@@ -99,7 +99,7 @@ def plot_throughput(results: Sequence[PointResult], out_dir: Path, caption: str 
     numeric = all(math.isfinite(r.arrivals.x_value) for r in ordered)
     # An infinite rate has no place on a numeric axis: then the points are evenly spaced and labelled.
     xs = [r.arrivals.x_value if numeric else float(i) for i, r in enumerate(ordered)]
-    axis_name = "request rate (req/s)" if ordered and isinstance(ordered[0].arrivals, PoissonArrivals) else "concurrency"
+    axis_name = "concurrency" if ordered and isinstance(ordered[0].arrivals, FixedConcurrency) else "request rate (req/s)"
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     if not numeric:
         for axis in (left, right):

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.loadgen.arrivals import PoissonArrivals
+from cluster.loadgen.arrivals import PoissonArrivals, ScheduledArrivals
 from cluster.loadgen.metrics import BenchMetrics, Distribution
 from cluster.loadgen.runner import PointResult
 
@@ -120,8 +120,12 @@ def render_detail(label: str, metrics: BenchMetrics) -> str:
 
 
 def describe_arrivals(result: PointResult) -> dict[str, Any]:
-    data: dict[str, Any] = {"kind": "poisson" if isinstance(result.arrivals, PoissonArrivals) else "concurrency"}
-    data.update(asdict(result.arrivals))
+    arrivals = result.arrivals
+    if isinstance(arrivals, ScheduledArrivals):
+        # A trace's send times are its requests' own `scheduled_s`: not repeated here.
+        return {"kind": "scheduled", "name": arrivals.name, "requests": len(arrivals.offsets), "mean_rate_per_s": arrivals.x_value}
+    data: dict[str, Any] = {"kind": "poisson" if isinstance(arrivals, PoissonArrivals) else "concurrency"}
+    data.update(asdict(arrivals))
     return data
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cluster.client import Delta, DuetError, Result
-from cluster.loadgen.arrivals import Arrivals, FixedConcurrency, PoissonArrivals
+from cluster.loadgen.arrivals import Arrivals, FixedConcurrency, PoissonArrivals, ScheduledArrivals
 from cluster.loadgen.metrics import BenchMetrics, RequestRecord, Slo, compute_metrics
 from cluster.loadgen.workloads import BenchRequest
 
@@ -138,7 +138,7 @@ class LoadRunner:
         run = _Run(self, histories, records, report)
         started_s = self._clock()
         run.started_s = started_s
-        if isinstance(arrivals, PoissonArrivals):
+        if isinstance(arrivals, (PoissonArrivals, ScheduledArrivals)):
             await run.open_loop(requests, arrivals.offsets_s(len(requests), seed))
         elif isinstance(arrivals, FixedConcurrency):
             await run.closed_loop(requests, arrivals.concurrency)

@@ -1,0 +1,185 @@
+"""Does the simulator predict this machine? The same workloads on real embedded clusters and in `duet sim`.
+
+Clusters this machine can host, with the built-in model: 1 PREFILL + 1 GENERATION, and 2 MIXED.
+Workloads, each at ~70 % of the cluster's capacity as the profile estimates it
+(cluster/sim/capacity.py): prefill-heavy (long prompts, few outputs), decode-heavy (short prompts,
+long outputs), shared-prefix (prompts on a few long prefixes: prefix reuse and KV-aware placement).
+Each case runs twice on the real cluster (through the gRPC client, as `duet bench`) and once in the
+simulator with the profile measured on this machine (cpu-builtin, or --profile). For TTFT p50/p90
+and TPOT p50/p90: the simulator's relative error against the mean of the two real runs, and the
+real runs' own disagreement (noise). A comparison is within bound when its error is at most
+max(15 %, 2 x the real-vs-real error).
+
+Figures: `<case>_<metric>_rel_error`, `median_rel_error`, `cases_within_bound` / `cases_total` (a case
+is within bound when all four of its metrics are), and `metrics_within_bound` / `metrics_total`.
+
+    python bench/sim_validation.py [--quick] [--requests N] [--profile P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import Target, emit_result, print_table, progress  # noqa: E402
+from cluster.cli.bench import BenchSettings, run_points  # noqa: E402
+from cluster.deploy.config import ClusterConfig  # noqa: E402
+from cluster.loadgen.arrivals import PoissonArrivals  # noqa: E402
+from cluster.loadgen.metrics import BenchMetrics, Slo  # noqa: E402
+from cluster.loadgen.runner import SamplingSpec  # noqa: E402
+from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload  # noqa: E402
+from cluster.sim.capacity import cluster_rps  # noqa: E402
+from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
+from cluster.sim.link import data_plane  # noqa: E402
+from cluster.sim.catalog import load_profile  # noqa: E402
+
+BENCH = "sim_validation"
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+MIN_BOUND = 0.15
+LOAD = 0.7
+ENGINE = {"num_blocks": 1024, "tokens_per_block": 16, "max_num_tokens": 512, "chunk_unit_tokens": 256,
+          "max_num_requests": 32, "max_batch_size": 32}
+TOPOLOGIES = {
+    "1p1g": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}],
+    "2mixed": [{"role": "MIXED", "count": 2}],
+}
+
+
+def workloads(count: int) -> dict[str, WorkloadConfig]:
+    return {
+        "prefill_heavy": WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=count, input_len=768, output_len=4),
+        "decode_heavy": WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=count, input_len=48, output_len=96),
+        "shared_prefix": WorkloadConfig(kind=WorkloadKind.SHARED_PREFIX, num_prefixes=max(1, count // 6),
+                                        suffixes_per_prefix=6, prefix_len=512, input_len=32, output_len=16),
+    }
+
+
+def cluster_config(topology: str, seed: int) -> ClusterConfig:
+    return ClusterConfig.from_dict({
+        "dtype": "float32", "device": "cpu",
+        "instances": [dict(group, num_cpus=0.5, torch_threads=1) for group in TOPOLOGIES[topology]],
+        "engine": ENGINE,
+        "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
+        "ray": {"num_cpus": 2},
+        "seed": seed,
+    })
+
+
+def rate_for(config: ClusterConfig, profile, workload: WorkloadConfig) -> float:
+    counts = {g.role.name: g.count for g in config.instances}
+    prompt = workload.input_len + (workload.prefix_len if workload.kind is WorkloadKind.SHARED_PREFIX else 0)
+    engine = config.engine_config(config.instances[0])
+    capacity = cluster_rps(profile, engine, num_prefill=counts.get("PREFILL", 0), num_generation=counts.get("GENERATION", 0),
+                           num_mixed=counts.get("MIXED", 0), mean_prompt_tokens=prompt, mean_output_tokens=workload.output_len)
+    return LOAD * capacity
+
+
+def figures_of(metrics: BenchMetrics) -> dict[str, float | None]:
+    def pick(distribution, q):
+        return None if distribution is None else getattr(distribution, q)
+
+    return {
+        "ttft_p50": pick(metrics.ttft_ms, "p50"), "ttft_p90": pick(metrics.ttft_ms, "p90"),
+        "tpot_p50": pick(metrics.tpot_ms, "p50"), "tpot_p90": pick(metrics.tpot_ms, "p90"),
+    }
+
+
+def real_runs(topology: str, cases: dict[str, WorkloadConfig], rates: dict[str, float], seed: int) -> dict[str, list[dict]]:
+    from cluster.deploy.embedded import BackgroundCluster
+
+    config = cluster_config(topology, seed)
+    results: dict[str, list[dict]] = {}
+    progress(f"{topology}: starting the embedded cluster ...")
+    with BackgroundCluster(config) as cluster:
+        for name, workload in cases.items():
+            runs = []
+            for repeat in range(2):
+                settings = BenchSettings(
+                    workload=workload, points=(PoissonArrivals(rates[name]),), slo=Slo(), sampling=SamplingSpec(),
+                    warmup=4 if repeat == 0 else 0, seed=seed + repeat, out_dir=Path("."), plots=False, progress=False,
+                )
+                point = asyncio.run(run_points(cluster.target, {}, settings, None))[0]
+                if point.metrics.failed:
+                    progress(f"{topology} {name}: {point.metrics.failed} real requests failed")
+                runs.append(figures_of(point.metrics))
+                progress(f"{topology} {name} real #{repeat + 1}: {runs[-1]}")
+            results[name] = runs
+    return results
+
+
+def sim_run(topology: str, workload: WorkloadConfig, rate: float, settings: SimSettings, seed: int) -> dict:
+    requests = build_workload(workload, seed)
+    outcome = simulate(cluster_config(topology, seed), dataclasses.replace(settings, seed=seed), requests, PoissonArrivals(rate))
+    return figures_of(outcome.point.metrics)
+
+
+def relative(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return abs(a - b) / b
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1P+1G only, two workloads, a few requests (smoke test)")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--profile", default="cpu-builtin")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    count = args.requests or (6 if args.quick else 36)
+    cases = workloads(count)
+    topologies = ["1p1g"] if args.quick else list(TOPOLOGIES)
+    if args.quick:
+        cases = {name: cases[name] for name in ("prefill_heavy", "decode_heavy")}
+    profile = load_profile(args.profile)
+    settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
+    figures: dict[str, object] = {"profile": profile.name, "load": LOAD, "requests_per_case": count}
+    rows = []
+    errors: list[float] = []
+    cases_within = metrics_within = metrics_total = 0
+    for topology in topologies:
+        rates = {name: rate_for(cluster_config(topology, args.seed), profile, workload) for name, workload in cases.items()}
+        real = real_runs(topology, cases, rates, args.seed)
+        for name, workload in cases.items():
+            case = f"{topology}_{name}"
+            predicted = sim_run(topology, workload, rates[name], settings, args.seed)
+            all_within = True
+            for metric in METRICS:
+                first, second = real[name][0][metric], real[name][1][metric]
+                mean = None if first is None or second is None else (first + second) / 2
+                error = relative(predicted[metric], mean)
+                noise = relative(first, second) if first is not None and second is not None else None
+                bound = max(MIN_BOUND, 2 * noise) if noise is not None else MIN_BOUND
+                within = error is not None and error <= bound
+                all_within &= within
+                metrics_within += within
+                metrics_total += 1
+                if error is not None:
+                    errors.append(error)
+                figures[f"{case}_{metric}_rel_error"] = None if error is None else round(error, 4)
+                figures[f"{case}_{metric}_real_vs_real"] = None if noise is None else round(noise, 4)
+                rows.append([case, metric, mean, predicted[metric], error, noise, "yes" if within else "no"])
+            cases_within += all_within
+            figures[f"{case}_rate_per_s"] = round(rates[name], 3)
+    figures["median_rel_error"] = round(statistics.median(errors), 4) if errors else None
+    figures["cases_within_bound"] = cases_within
+    figures["cases_total"] = len(topologies) * len(cases)
+    figures["metrics_within_bound"] = metrics_within
+    figures["metrics_total"] = metrics_total
+    print_table(["case", "metric", "real ms", "sim ms", "error", "real vs real", "within"],
+                [["-" if c is None else c for c in row] for row in rows])
+    targets = {"median_rel_error": Target(figures["median_rel_error"] or 1.0, MIN_BOUND, higher_is_better=False)}
+    emit_result(BENCH, figures, targets)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

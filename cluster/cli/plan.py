@@ -1,0 +1,191 @@
+"""`duet plan`: the best split of N instances and placement policy for a workload, searched in the simulator.
+
+    duet plan --profile cpu-builtin --workload lognormal --slo-ttft-ms 200 --slo-tpot-ms 50 --instances 4
+    duet plan --config cluster.yaml --profile roofline:h100-sxm:llama-3-8b --instances 8 \\
+        --workload lognormal --input-len 1024 --output-len 256 --slo-ttft-ms 400 --slo-tpot-ms 40 --out plan/
+
+For all MIXED and every P:D ratio of --instances N, under each placement policy, it finds the highest
+request rate whose requests meet the SLOs (--attainment of them, 90 % by default) and prints goodput
+per instance for each, the best marked; plots the curve (plan.png) and writes the best as a cluster
+YAML (best-cluster.yaml) that `duet serve --config` accepts (the --config settings, with the split
+and policy replaced). cluster/sim/plan.py is the search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from cluster.cli.bench import add_workload_options
+from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_log_level, setup_logging
+from cluster.cli.sim import add_cluster_options, cluster_config, sim_settings
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.metrics import Slo, SloError
+from cluster.loadgen.report import envelope, render_table
+from cluster.loadgen.runner import SamplingSpec
+from cluster.loadgen.workloads import (
+    WorkloadConfig,
+    WorkloadError,
+    WorkloadKind,
+    build_workload,
+    load_sharegpt,
+)
+from cluster.sim.plan import POLICIES, CandidateResult, best, plan
+
+BENCH_NAME = "duet_plan"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="search instance splits (all MIXED, every P:D) and placement policies in the simulator for goodput per instance",
+        description="For N instances: all MIXED and every P:D split, under each placement policy, the highest rate "
+        "within the SLOs by simulation; prints goodput per instance for each (best marked), plots the curve and "
+        "writes the best as a cluster YAML for duet serve.",
+    )
+    add_cluster_options(parser)
+    add_workload_options(parser)
+    search = parser.add_argument_group("search")
+    search.add_argument("--slo-ttft-ms", type=float, required=True, metavar="MS", help="TTFT objective")
+    search.add_argument("--slo-tpot-ms", type=float, required=True, metavar="MS", help="TPOT objective")
+    search.add_argument("--attainment", type=float, default=0.9, metavar="F", help="share of requests that must meet both")
+    search.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=list(POLICIES), help="placement policies to try")
+    search.add_argument("--duration", type=float, default=None, metavar="S",
+                        help="simulated seconds of arrivals per probe (default 30, quick 5); --num-requests caps the pool")
+    search.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the workload and arrival times")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None, metavar="DIR", help="plan.json, plan.png, best-cluster.yaml (default ./plan-results/<time>)")
+    output.add_argument("--no-plots", action="store_true", help="write no plan.png")
+    output.add_argument("--quick", action="store_true", help="few requests, coarse search (a smoke test)")
+    add_log_level(output, "ERROR")
+    parser.set_defaults(handler=run)
+    # --instances is the total to split here (add_cluster_options words it as counts for duet sim).
+    for action in parser._actions:
+        if action.dest == "instances":
+            action.help = "N: the total to split (all MIXED, and every P:D with P + D = N)"
+
+
+def _workload(args: argparse.Namespace) -> WorkloadConfig:
+    quick = args.quick
+    try:
+        return WorkloadConfig(
+            kind=WorkloadKind(args.workload or "lognormal"),
+            num_requests=args.num_requests or (300 if quick else 4000),
+            input_len=args.input_len or (128 if quick else 512),
+            output_len=args.output_len or (16 if quick else 128),
+            lognormal_sigma=args.lognormal_sigma,
+            num_prefixes=args.num_prefixes or 4,
+            prefix_len=args.prefix_len or 256,
+            suffixes_per_prefix=args.suffixes_per_prefix or 8,
+            turns=args.turns or 4,
+            dataset_path=args.dataset,
+            sharegpt_bytes_per_token=args.sharegpt_bytes_per_token,
+        )
+    except WorkloadError as error:
+        raise CliError(f"--{error.field.replace('_', '-')}: {error.message}", EXIT_USAGE) from None
+
+
+def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Path) -> Path:
+    from cluster.loadgen.plots import _pyplot
+
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(7, 3.8))
+    for policy in dict.fromkeys(r.candidate.policy for r in results):
+        mine = [r for r in results if r.candidate.policy == policy]
+        split = [r for r in mine if r.candidate.num_prefill]
+        line = axis.plot([r.candidate.num_prefill for r in split], [r.goodput_per_instance for r in split], "o-", label=f"P:D, {policy}")
+        mixed = [r for r in mine if not r.candidate.num_prefill]
+        axis.plot([0] * len(mixed), [r.goodput_per_instance for r in mixed], "s", color=line[0].get_color(), label=f"all MIXED, {policy}")
+    axis.plot([chosen.candidate.num_prefill], [chosen.goodput_per_instance], "*", markersize=18, color="gold", markeredgecolor="black", label="best")
+    n = chosen.candidate.num_instances
+    axis.set_xticks(range(n))
+    axis.set_xticklabels(["MIXED"] + [f"{p}P:{n - p}D" for p in range(1, n)])
+    axis.set_ylabel("goodput per instance (req/s)")
+    axis.set_title(f"duet plan: {n} instances", fontsize=10)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def cluster_yaml(config: ClusterConfig) -> str:
+    import yaml
+
+    data = msgspec.to_builtins(config)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.instances is None or not args.instances.isdigit() or int(args.instances) < 2:
+        raise CliError("--instances: the number of instances to split, an integer >= 2", EXIT_USAGE)
+    if not 0 < args.attainment <= 1:
+        raise CliError("--attainment: a share in (0, 1]", EXIT_USAGE)
+    num_instances = int(args.instances)
+    try:
+        slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    except SloError as error:
+        raise CliError(f"--slo-{error.field.removesuffix('_ms')}-ms: {error.message}", EXIT_USAGE) from None
+    workload = _workload(args)
+    dataset = load_sharegpt(workload.dataset_path) if workload.dataset_path else None
+    requests = build_workload(workload, args.seed, dataset)
+    base = cluster_config(argparse.Namespace(**{**vars(args), "instances": None}))
+    settings = sim_settings(args, SamplingSpec(timeout_s=None), args.seed)
+    out_dir = Path(args.out) if args.out else Path("plan-results") / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results = plan(
+        base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
+        duration_s=args.duration or (5.0 if args.quick else 30.0), progress=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+    elapsed_s = time.perf_counter() - started
+    chosen = best(results)
+    rows = [
+        [("* " if r is chosen else "  ") + r.candidate.label, r.max_rate_per_s, r.goodput_per_instance, len(r.probes)]
+        for r in results
+    ]
+    sys.stdout.write(render_table(["split / policy", "max req/s in SLO", "goodput / instance", "simulations"], rows))
+    best_config = chosen.candidate.config(base)
+    yaml_path = out_dir / "best-cluster.yaml"
+    yaml_path.write_text(
+        f"# duet plan: {chosen.candidate.label}, {chosen.goodput_per_instance:.4g} req/s per instance within "
+        f"TTFT {args.slo_ttft_ms} ms / TPOT {args.slo_tpot_ms} ms ({args.attainment:.0%}), profile {settings.profile.name}\n"
+        + cluster_yaml(best_config)
+    )
+    ClusterConfig.from_yaml(yaml_path)  # what duet serve will read: it must load
+    plots: list[str] = []
+    if not args.no_plots:
+        try:
+            plots.append(str(plot_plan(results, chosen, out_dir / "plan.png")))
+        except Exception as error:  # noqa: BLE001 - a missing matplotlib must not lose the plan
+            print(f"duet plan: plot skipped: {error}", file=sys.stderr)
+    figures: dict[str, Any] = {
+        "instances": num_instances,
+        "profile": settings.profile.name,
+        "best": chosen.candidate.label,
+        "best_goodput_per_instance": round(chosen.goodput_per_instance, 5),
+        "candidates": {r.candidate.label: round(r.goodput_per_instance, 5) for r in results},
+        "simulations": sum(len(r.probes) for r in results),
+        "wall_s": round(elapsed_s, 2),
+        "cluster_yaml": str(yaml_path),
+    }
+    document = figures | {
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "attainment": args.attainment},
+        "probes": {r.candidate.label: [p.__dict__ for p in r.probes] for r in results},
+        "plots": plots,
+    }
+    (out_dir / "plan.json").write_text(json.dumps(document, indent=2) + "\n")
+    sys.stdout.write(f"\nbest: {chosen.candidate.label} ({chosen.goodput_per_instance:.4g} req/s per instance)\n")
+    sys.stdout.write(f"cluster config: {yaml_path}\n")
+    for path in plots:
+        sys.stdout.write(f"plot: {path}\n")
+    sys.stdout.write(f"{figures['simulations']} simulations in {elapsed_s:.1f}s\n")
+    sys.stdout.write(envelope(BENCH_NAME, figures, {}) + "\n")
+    return EXIT_OK

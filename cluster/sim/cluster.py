@@ -1,0 +1,208 @@
+"""A simulated cluster: the real router (cluster/router/driver.py) over simulated instances, on virtual time.
+
+    outcome = simulate(config, SimSettings(load_profile("cpu-builtin")), requests, PoissonArrivals(8.0))
+
+The cluster configuration is the one `duet serve` reads (instance groups, `engine`, `router`,
+`faults`), so a simulated cluster and a served one differ only in the model: each instance is a
+cluster/sim/instance.py SimInstance with the profile's step times, KV transfers take the link
+model's time, and the load runner of `duet bench` (cluster/loadgen/runner.py) sends the workload
+through the router's own API (cluster/sim/client.py). Everything runs on one VirtualTimeLoop
+(cluster/sim/vclock.py): the driver's poll loops, watchdog, health bounds and stage timeouts run
+on simulated time, as do the runner's arrival schedule and every latency it records.
+
+Faults: the configuration's `faults` plan (worker/kv_transfer/faults.py) acts on simulated
+transfers; `SimSettings.deaths` kill instances at given times (and restart them, optionally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.arrivals import Arrivals
+from cluster.loadgen.metrics import Slo, compute_metrics
+from cluster.loadgen.runner import LoadRunner, PointResult, SamplingSpec
+from cluster.loadgen.workloads import BenchRequest
+from cluster.router.driver import Router
+from cluster.sim.client import RouterClient
+from cluster.sim.instance import SimInstance, SimNetwork
+from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkModel, Network
+from cluster.sim.profile import StepProfile
+from cluster.sim.vclock import run_virtual
+from worker.kv_transfer.faults import FaultInjector
+from worker.tokenizer import ByteTokenizer
+
+logger = logging.getLogger(__name__)
+
+SIM_VOCAB_SIZE = 32000
+
+
+@dataclass(frozen=True)
+class InstanceDeath:
+    """Kill `instance_id` at simulated second `at_s` (from the run's start); restart it after
+    `restart_after_s` if given (a new incarnation, empty)."""
+
+    instance_id: str
+    at_s: float
+    restart_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    profile: StepProfile
+    link: LinkModel = DATA_PLANES[DEFAULT_PLANE]
+    rpc_latency_s: float = 0.5e-3  # one router/instance call's round trip (a Ray actor call)
+    stream_interval_s: float = 0.0  # cluster/sim/instance.py: 0 reports every step's tokens at once
+    max_seq_len: int = 16384
+    deaths: tuple[InstanceDeath, ...] = ()
+    sampling: SamplingSpec = SamplingSpec(timeout_s=None)
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class InstanceReport:
+    instance_id: str
+    role: str
+    utilisation: float  # busy (stepping) time / the run's duration
+    steps: int
+    context_tokens: int
+    generated_tokens: int
+    pauses: int
+    transfers_sent: int
+    transfers_failed: int
+    bytes_sent: int
+    bytes_received: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class SimOutcome:
+    point: PointResult
+    instances: list[InstanceReport]
+    router: dict[str, Any]
+    virtual_s: float
+    wall_s: float
+    leaked_blocks: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def transfer_bytes(self) -> int:
+        return sum(report.bytes_sent for report in self.instances)
+
+    def summary(self) -> dict[str, Any]:
+        roles: dict[str, list[float]] = {}
+        for report in self.instances:
+            roles.setdefault(report.role, []).append(report.utilisation)
+        return {
+            "virtual_s": round(self.virtual_s, 3),
+            "wall_s": round(self.wall_s, 3),
+            "utilisation_by_role": {role: round(sum(u) / len(u), 4) for role, u in sorted(roles.items())},
+            "transfer_bytes": self.transfer_bytes,
+            "transfers": sum(r.transfers_sent for r in self.instances),
+            "transfers_failed": sum(r.transfers_failed for r in self.instances),
+            "pauses": sum(r.pauses for r in self.instances),
+            "leaked_blocks": self.leaked_blocks,
+            "router": self.router,
+        }
+
+
+def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[SimInstance], SimNetwork]:
+    faults = FaultInjector.from_mapping(config.faults) if config.faults else None
+    network = SimNetwork(Network(settings.link), faults)
+    instances = []
+    for group in config.instances:
+        engine = config.engine_config(group)
+        for index in range(group.count):
+            instance_id = f"{group.role.name.lower()}-{index}"
+            instances.append(
+                SimInstance(
+                    instance_id, engine, settings.profile, network,
+                    vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_latency_s,
+                    stream_interval_s=settings.stream_interval_s,
+                )
+            )
+    return instances, network
+
+
+async def simulate_async(
+    config: ClusterConfig,
+    settings: SimSettings,
+    requests: Sequence[BenchRequest],
+    arrivals: Arrivals,
+    slo: Slo | None = None,
+    *,
+    on_done: Any = None,
+) -> SimOutcome:
+    loop = asyncio.get_running_loop()
+    wall_started = time.perf_counter()
+    instances, network = build_instances(config, settings)
+    router = Router(
+        config.router,
+        ByteTokenizer(),
+        vocab_size=SIM_VOCAB_SIZE,
+        max_seq_len=settings.max_seq_len,
+        tokens_per_block=config.tokens_per_block,
+        clock=loop.time,
+        wall_clock=loop.time,
+        seed=settings.seed,
+    )
+    await router.start()
+    for instance in instances:
+        await router.add_instance(instance)
+    by_id = {instance.instance_id: instance for instance in instances}
+    started_s = loop.time()
+    for death in settings.deaths:
+        instance = by_id.get(death.instance_id)
+        if instance is None:
+            raise ValueError(f"deaths: no instance {death.instance_id!r} (instances: {', '.join(by_id)})")
+        loop.call_at(started_s + death.at_s, instance.kill)
+        if death.restart_after_s is not None:
+            loop.call_at(started_s + death.at_s + death.restart_after_s, instance.restart)
+    runner = LoadRunner(RouterClient(router), settings.sampling, clock=loop.time, on_done=on_done)
+    outcome = await runner.run(requests, arrivals, seed=settings.seed)
+    virtual_s = loop.time() - started_s
+    await router.stop()
+    reports = []
+    leaked = 0
+    for instance in instances:
+        stats = instance.stats
+        if not instance.dead:
+            instance.check_integrity()
+            # Blocks still referenced after every request ended (cached prefix blocks are free).
+            leaked += instance.blocks.num_blocks - instance.blocks.num_free_blocks
+        reports.append(
+            InstanceReport(
+                instance.instance_id, instance.role.name, stats.busy_s / max(virtual_s, 1e-9), stats.steps,
+                stats.context_tokens, stats.generated_tokens, stats.pauses, stats.transfers_sent,
+                stats.transfers_failed, stats.bytes_sent, network.network.bytes_received.get(instance.instance_id, 0),
+            )
+        )
+    point = PointResult(arrivals, outcome, compute_metrics(outcome.records, outcome.duration_s, slo or Slo()))
+    router_figures = {
+        "illegal_transitions": router.illegal_transitions,
+        "inconsistent_reports": router.inconsistent_reports,
+        "recovery_actions": dict(router.recovery_actions),
+        "transfers": dict(router.transfers),
+    }
+    return SimOutcome(point, reports, router_figures, virtual_s, time.perf_counter() - wall_started, leaked)
+
+
+def simulate(
+    config: ClusterConfig,
+    settings: SimSettings,
+    requests: Sequence[BenchRequest],
+    arrivals: Arrivals,
+    slo: Slo | None = None,
+    *,
+    on_done: Any = None,
+) -> SimOutcome:
+    """Run one simulation to completion on a fresh virtual-time loop (takes only wall time for the
+    callbacks it runs)."""
+    return run_virtual(simulate_async(config, settings, requests, arrivals, slo, on_done=on_done))

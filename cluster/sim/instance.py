@@ -1,0 +1,693 @@
+"""A simulated instance: the engine's step loop over the real scheduler, with model time instead of a model.
+
+It runs what worker/engine.py runs each step, in the same order, on the same objects: the two-level
+scheduler (scheduler/scheduler.py) over LlmRequests, the block manager with prefix reuse, eviction
+of paused requests (recomputed later), reservations for generation-only requests, chunked context,
+the roles and the hand-over states of both sides, reservation and lease expiry, and the same local
+state events. What it does not run is the forward pass and the sampler: a step takes the profile's
+time for its batch (cluster/sim/profile.py) on the event loop's (virtual) clock, and tokens are a
+pure function of (seed, position) as worker/instant.py's.
+
+Why not the Engine itself with a swapped runner (worker/engine.py has that seam, `runner_factory`):
+the Engine holds torch tensors (the paged cache, the sampler's logits), so `cluster/` could not
+import it (tests/unit/test_layering.py), and its per-step torch work would cost more than the
+whole simulated step budget at 256 instances. The parity this module owes the engine is held by
+tests/unit/test_sim_instance.py, which runs both on one workload.
+
+It is its own InstanceClient (cluster/router/instance_client.py): the router calls it directly on
+its event loop. Each call costs `rpc_latency_s` of virtual time (a Ray actor call's round trip);
+a poll waits for mail as the real long poll does. A killed instance answers every call with
+InstanceUnavailable, as a dead Ray actor does.
+
+KV transfers take the link model's time (cluster/sim/link.py) plus the profile's control-path cost;
+transfer faults come from the deployment's fault plan (worker/kv_transfer/faults.py), drawn per
+transfer and chunk as the real sender and receiver draw them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from cluster.router.instance_client import InstanceRejected, InstanceUnavailable
+from cluster.sim.link import Network
+from cluster.sim.profile import StepProfile, context_pairs
+from scheduler.block_manager import BlockManager, BlockManagerConfig
+from scheduler.config import ChunkingConfig, SchedulerConfig
+from scheduler.request import LlmRequest
+from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
+from scheduler.state import LlmRequestState
+from worker.engine_types import EngineConfig
+from worker.instant import instant_token
+from worker.kv_layout import KvLayout
+from worker.kv_transfer.failures import FailureReason
+from worker.kv_transfer.faults import FaultInjector, FaultSide
+from worker.protocol import (
+    EVENT_PREFILL_STARTED,
+    REQUEST_TYPES_BY_ROLE,
+    EngineLoad,
+    ErrorCode,
+    InstanceInfo,
+    PollBatch,
+    PushResult,
+    RequestError,
+    RequestOutput,
+    RequestType,
+    ReservationNotice,
+    StateEvent,
+    SubmitRequest,
+)
+from worker.stopping import FinishReason
+
+S = LlmRequestState
+BLOCKS_PER_CHUNK = 4  # transfer chunks a fault plan's chunk rules count (worker/kv_transfer/plan.py order)
+_transfer_ids = itertools.count(1)
+
+
+@dataclass
+class _Request:
+    submit: SubmitRequest
+    llm: LlmRequest
+    seed: int
+    num_outputs: int  # output tokens so far, including those produced elsewhere
+    num_cached_tokens: int = 0
+    transfer_id: str | None = None  # generation side: its reservation
+    reserved: bool = False
+    pushing: bool = False  # prefill side: a push reads its blocks
+    end_after_push: Callable[[], None] | None = None
+    finished: bool = False
+    expiry: asyncio.TimerHandle | None = None  # its lease or reservation timer, cancelled when it ends
+
+
+@dataclass
+class InstanceStats:
+    busy_s: float = 0.0
+    steps: int = 0
+    context_tokens: int = 0
+    generated_tokens: int = 0
+    pauses: int = 0
+    transfers_sent: int = 0
+    transfers_failed: int = 0
+    bytes_sent: int = 0
+    finished: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class SimNetwork:
+    """Every simulated instance of one simulation, by transfer address, and the NIC queues."""
+
+    def __init__(self, network: Network, faults: FaultInjector | None = None) -> None:
+        self.network = network
+        self.faults = faults if faults is not None and faults.enabled else None
+        self.by_address: dict[str, SimInstance] = {}
+
+
+class SimInstance:
+    """One simulated instance; also its own InstanceClient."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        config: EngineConfig,
+        profile: StepProfile,
+        network: SimNetwork,
+        *,
+        vocab_size: int = 32000,
+        max_seq_len: int = 4096,
+        rpc_latency_s: float = 0.5e-3,
+        stream_interval_s: float = 0.0,
+    ) -> None:
+        self.instance_id = instance_id
+        self.config = config
+        self.role = config.role
+        self.profile = profile
+        self.net = network
+        self.vocab_size = vocab_size
+        self.max_seq_len = min(config.max_seq_len or max_seq_len, max_seq_len)
+        self.rpc_latency_s = rpc_latency_s
+        # 0: every step's tokens are reported at once (duet's engine). > 0: a request's tokens of
+        # consecutive steps are merged into one output, reported at most this long after the first
+        # of them (vLLM's and trtllm-serve's stream_interval). First tokens, ends, errors, state
+        # events, reservations and push results are never held, so TTFT, TPOT and e2e are exact;
+        # ITL is seen in chunks. It cuts the router's per-token work for very large simulations.
+        self.stream_interval_s = stream_interval_s
+        tpb = config.tokens_per_block
+        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (profile.kv_bytes_per_token * tpb))
+        self.num_blocks = num_blocks
+        self.address = f"sim:{instance_id}"
+        network.by_address[self.address] = self
+        self.layout = KvLayout(
+            num_layers=1, num_kv_heads=1, head_dim=8, tokens_per_block=tpb, dtype="float32", model_fingerprint=profile.model
+        )
+        self.stats = InstanceStats()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        # (context tokens, context pairs, generation requests, their context tokens) per step, when
+        # a list: the engine parity test compares it with the Engine's (tests/unit/test_sim_instance.py).
+        self.step_log: list[tuple[int, int, int, int]] | None = None
+        self._generation = 0  # incarnation counter: timers of a killed incarnation do nothing
+        self.dead = False
+        self._reset()
+
+    def _reset(self) -> None:
+        cfg = self.config
+        self.blocks = BlockManager(
+            BlockManagerConfig(
+                tokens_per_block=cfg.tokens_per_block,
+                num_blocks=self.num_blocks,
+                max_attention_window=self.max_seq_len,
+                enable_block_reuse=cfg.enable_prefix_reuse,
+                record_events=cfg.record_prefix_events and cfg.enable_prefix_reuse,
+            )
+        )
+        self.scheduler = TwoLevelScheduler(
+            SchedulerConfig(
+                max_num_requests=cfg.max_num_requests,
+                max_batch_size=cfg.max_batch_size,
+                max_num_tokens=cfg.max_num_tokens,
+                capacity_policy=cfg.capacity_policy,
+                chunking=None if cfg.chunking_policy is None else ChunkingConfig(cfg.chunking_policy, cfg.chunk_unit_tokens),
+            ),
+            self.blocks,
+        )
+        self._requests: dict[str, _Request] = {}
+        self._active: list[LlmRequest] = []
+        self._outputs: list[RequestOutput] = []
+        self._merge: dict[str, int] = {}  # request id -> index in _outputs of its held token output
+        self._urgent = False  # _outputs holds something that is not held (stream_interval_s)
+        self._flush_at: float | None = None
+        self._events: list[StateEvent] = []
+        self._reservations: list[ReservationNotice] = []
+        self._pushes: list[PushResult] = []
+        self._sequence = 0
+        self._stepping = False
+        self._waiter: asyncio.Future | None = None  # the poll waiting for mail
+        self._generation += 1
+        self.incarnation = f"sim-{self.instance_id}-{self._generation}"
+        self.draining = False
+
+    # --- clock and timers ---------------------------------------------------------------------------
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._event_loop
+        if loop is None:  # the loop that runs the simulation: the first call's (one per run)
+            loop = self._event_loop = asyncio.get_running_loop()
+        return loop
+
+    def _now(self) -> float:
+        return self._loop.time()
+
+    def _at(self, when_s: float, callback: Callable[..., None], *args: object) -> asyncio.TimerHandle:
+        generation = self._generation
+
+        def fire() -> None:
+            if self._generation == generation and not self.dead:
+                callback(*args)
+
+        return self._loop.call_at(when_s, fire)
+
+    async def _rpc(self) -> None:
+        if self.rpc_latency_s:
+            await asyncio.sleep(self.rpc_latency_s)
+        if self.dead:
+            raise InstanceUnavailable(f"{self.instance_id}: killed")
+
+    # --- faults: the process dies, or comes back ------------------------------------------------------
+    def kill(self) -> None:
+        """SIGKILL: everything it held is gone; every call fails until `restart`."""
+        self.dead = True
+        self._generation += 1
+        self._wake()  # a poll waiting for mail answers (with InstanceUnavailable)
+
+    def restart(self) -> None:
+        """A new process under the same id (a new incarnation, empty)."""
+        self.dead = False
+        self._reset()
+
+    # --- InstanceClient ----------------------------------------------------------------------------------
+    async def get_info(self) -> InstanceInfo:
+        await self._rpc()
+        return InstanceInfo(
+            self.instance_id, self.role, self.incarnation, self.address, self.layout, self.num_blocks,
+            self.vocab_size, self.max_seq_len, 0, f"sim:{self.profile.device}", architecture=self.profile.model,
+        )
+
+    async def ping(self) -> str:
+        await self._rpc()
+        return self.incarnation
+
+    async def submit(self, request: SubmitRequest) -> None:
+        await self._rpc()
+        if self.draining:
+            raise InstanceUnavailable(f"{self.instance_id}: draining")
+        rid = request.request_id
+        if rid in self._requests:
+            raise InstanceRejected("request_id", f"request {rid!r} is already in this engine")
+        if request.request_type not in REQUEST_TYPES_BY_ROLE[self.role]:
+            raise InstanceRejected("request_type", f"a {self.role.name} instance does not take {request.request_type.name}")
+        context = request.context_token_ids
+        if len(context) >= self.max_seq_len:
+            raise InstanceRejected("prompt_token_ids", f"{len(context)} context tokens leave no room in max_seq_len {self.max_seq_len}")
+        params = request.sampling_params
+        produced = len(request.output_token_ids)
+        max_new = min(params.max_tokens - produced, self.max_seq_len - len(context))
+        generation_only = request.request_type is RequestType.GENERATION_ONLY
+        if generation_only:
+            max_new += 1  # the first token arrives with the KV (worker/engine.py add_request)
+        state = S.DISAGG_GENERATION_INIT if generation_only else S.CONTEXT_INIT
+        llm = LlmRequest(rid, context, max_new, priority=request.priority, state=state)
+        self._requests[rid] = _Request(request, llm, params.seed or 0, produced)
+        self._active.append(llm)
+        self._event(rid, state, "submitted")
+        self._kick()
+
+    async def abort(self, request_id: str, detail: str) -> None:
+        await self._rpc()
+        request = self._requests.get(request_id)
+        if request is None or request.finished:
+            return
+
+        def end() -> None:
+            self._finish(request, S.GENERATION_COMPLETE, 0, FinishReason.ABORT, error=RequestError(ErrorCode.ABORTED, detail))
+
+        if request.pushing:
+            request.end_after_push = end
+        else:
+            end()
+        self._after_change()
+
+    async def release(self, request_id: str, reason: FailureReason, detail: str) -> None:
+        await self._rpc()
+        request = self._requests.get(request_id)
+        if request is None or request.finished or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            return
+
+        def end() -> None:
+            error = RequestError(ErrorCode.TRANSFER_FAILED, detail, reason.value)
+            self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
+
+        if request.pushing:
+            request.end_after_push = end
+        else:
+            end()
+        self._after_change()
+
+    async def push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
+        await self._rpc()
+        request = self._requests.get(request_id)
+        if request is None or request.finished or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            detail = f"request {request_id!r} is not waiting to hand over its KV"
+            self._pushes.append(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, detail, 0, 0.0))
+            self._wake()
+            return
+        request.pushing = True
+        self._transfer(request, target, transfer_id, deadline_s, target_request_id or request_id)
+
+    async def poll(self, timeout_s: float) -> PollBatch:
+        if self.dead:
+            await self._rpc()
+        if not self._has_mail():
+            # A bare future and one timer (not wait_for on an Event, which costs a task per poll):
+            # this runs once per engine step of every instance.
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(timeout_s, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        await self._rpc()  # the answer's trip; what arrives meanwhile travels with it
+        return self._take_mail()
+
+    async def drain(self, timeout_s: float) -> int:
+        await self._rpc()
+        self.draining = True
+        return len(self._requests)
+
+    # --- mail -----------------------------------------------------------------------------------------
+    def _has_mail(self) -> bool:
+        """Mail to answer a poll with now (held token outputs wait for their flush)."""
+        return bool(self._urgent or self._events or self._reservations or self._pushes)
+
+    def _wake(self) -> None:
+        """A poll waiting for mail answers (only when there is some: an empty answer is a wasted trip)."""
+        waiter = self._waiter
+        if waiter is not None and (self.dead or self._has_mail()):
+            _resolve(waiter)
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        if self._outputs:
+            self._urgent = True
+            self._wake()
+
+    def _take_mail(self) -> PollBatch:
+        outputs, self._outputs = self._outputs, []
+        self._merge.clear()
+        self._urgent = False
+        events, self._events = self._events, []
+        reservations, self._reservations = self._reservations, []
+        pushes, self._pushes = self._pushes, []
+        self._sequence += 1
+        return PollBatch(self.incarnation, self._sequence, tuple(outputs), tuple(events), tuple(reservations), tuple(pushes), self.load())
+
+    def load(self) -> EngineLoad:
+        """worker/engine.py Engine.load, computed the same way."""
+        queued = running = queued_tokens = in_flight = 0
+        blocks = self.blocks
+        context_init = S.CONTEXT_INIT
+        for llm in self._active:
+            if llm.state is context_init and not blocks.has_sequence(llm.request_id):
+                queued += 1
+                queued_tokens += llm.prompt_len
+            else:
+                running += 1
+                in_flight += len(llm.tokens[0])
+        return EngineLoad(
+            role=self.role,
+            total_blocks=blocks.num_blocks,
+            free_blocks=blocks.num_free_blocks,
+            tokens_per_block=self.config.tokens_per_block,
+            queued_requests=queued,
+            running_requests=running,
+            queued_prompt_tokens=queued_tokens,
+            tokens_in_flight=in_flight,
+            num_paused=self.stats.pauses,
+            prefix_events=tuple(blocks.drain_events()),
+            num_finished=self.stats.finished,
+        )
+
+    def _event(self, request_id: str, state: LlmRequestState, detail: str = "") -> None:
+        self._events.append(StateEvent(request_id, state, self._now(), detail))
+
+    def _set_state(self, request: _Request, state: LlmRequestState, detail: str = "") -> None:
+        request.llm.set_state(state)
+        self._event(request.submit.request_id, state, detail)
+
+    def _output(self, request: _Request, tokens: tuple[int, ...], **fields: object) -> None:
+        rid = request.submit.request_id
+        interval = self.stream_interval_s
+        if interval and not fields:
+            index = self._merge.get(rid)
+            if index is not None:  # merge into the held output of this request
+                held = self._outputs[index]
+                self._outputs[index] = msgspec.structs.replace(
+                    held, new_token_ids=held.new_token_ids + tokens, num_output_tokens=request.num_outputs
+                )
+                return
+            self._merge[rid] = len(self._outputs)
+            if self._flush_at is None:
+                self._flush_at = self._now() + interval
+                self._at(self._flush_at, self._flush)
+        else:
+            self._urgent = True
+        self._outputs.append(
+            RequestOutput(
+                rid, tokens, "",
+                num_prompt_tokens=len(request.submit.prompt_token_ids),
+                num_output_tokens=request.num_outputs,
+                num_cached_tokens=request.num_cached_tokens,
+                **fields,
+            )
+        )
+
+    # --- the step loop (worker/engine.py Engine.step, forward pass replaced by model time) ------------------
+    def _kick(self) -> None:
+        if not self._stepping and self._active:
+            self._stepping = True
+            self._loop.call_soon(self._step, self._generation)
+
+    def _after_change(self) -> None:
+        """Blocks were freed or mail was posted outside a step."""
+        self._wake()
+        self._kick()
+
+    def _step(self, generation: int) -> None:
+        if generation != self._generation or self.dead:
+            return
+        now = self._now()
+        schedule = self.scheduler.schedule(self._active)
+        self._evict(schedule.paused)
+        self._reserve(schedule.disagg_generation_init, now)
+        if not (schedule.context or schedule.generation):
+            self._stepping = False
+            self._wake()
+            return
+        context_tokens = pairs = decode_context = 0
+        for llm in schedule.context:
+            request = self._requests[llm.request_id]
+            if not self.blocks.has_sequence(llm.request_id):
+                reused = self.blocks.add_sequence(llm)
+                request.num_cached_tokens = max(request.num_cached_tokens, reused)
+                self._event(llm.request_id, llm.state, EVENT_PREFILL_STARTED)
+            chunk = llm.context_chunk_size
+            context_tokens += chunk
+            pairs += context_pairs(llm.context_current_position, chunk)
+        for llm in schedule.generation:
+            if llm.state is S.DISAGG_GENERATION_TRANS_COMPLETE:
+                self._set_state(self._requests[llm.request_id], S.GENERATION_IN_PROGRESS)
+            self.blocks.add_token(llm.request_id)
+            decode_context += llm.num_tokens(0)
+        step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
+        if self.step_log is not None:
+            self.step_log.append((context_tokens, pairs, len(schedule.generation), decode_context))
+        stats = self.stats
+        stats.busy_s += step_s
+        stats.steps += 1
+        stats.context_tokens += context_tokens
+        self._wake()  # events of this step's start (prefill started) go out now
+        self._at(now + step_s, self._complete, schedule)
+
+    def _complete(self, schedule: ScheduleOutput) -> None:
+        reuse = self.config.enable_prefix_reuse
+        requests = self._requests
+        vocab = self.vocab_size
+        max_seq_len = self.max_seq_len
+        done: set[str] = set()
+        for llm in schedule.context:
+            llm.move_to_next_context_chunk()
+        sampled = [llm for llm in schedule.context if llm.context_remaining_length == 0]
+        sampled.extend(schedule.generation)
+        self.stats.generated_tokens += len(sampled)
+        for llm in sampled:
+            request = requests.get(llm.request_id)
+            if request is None or request.finished:
+                continue  # aborted during the step: its blocks are gone already
+            state = llm.state
+            finishing_context = state is S.CONTEXT_INIT or state is S.DISAGG_CONTEXT_INIT_AND_TRANS
+            if finishing_context and reuse:
+                self.blocks.store_context_blocks(llm)
+            token = instant_token(request.seed, request.num_outputs, vocab)
+            llm.add_new_token(token)
+            request.num_outputs += 1
+            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(llm.tokens[0]) >= max_seq_len:
+                self._finish(request, S.GENERATION_COMPLETE, token, FinishReason.LENGTH)
+                done.add(llm.request_id)
+                continue
+            if finishing_context and request.submit.request_type is RequestType.CONTEXT_ONLY:
+                self._set_state(request, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
+                request.expiry = self._at(self._now() + self.config.sender_lease_s, self._lease_expired, request)
+                self._output(request, (token,), context_done=True)
+                continue
+            if finishing_context:
+                self._set_state(request, S.GENERATION_IN_PROGRESS)
+            self._output(request, (token,))
+        if done:
+            self._active = [llm for llm in self._active if llm.request_id not in done]
+        self._wake()
+        self._stepping = False
+        self._kick()
+
+    def _evict(self, paused: list[LlmRequest]) -> None:
+        for llm in paused:
+            if self.blocks.has_sequence(llm.request_id):
+                self.blocks.remove_sequence(llm.request_id)
+            llm.pause(self.scheduler.config.max_input_len_for_pause)
+            self.stats.pauses += 1
+            self._event(llm.request_id, llm.state, "paused (recomputed later)")
+
+    def _reserve(self, requests: list[LlmRequest], now: float) -> None:
+        for llm in requests:
+            request = self._requests[llm.request_id]
+            self.blocks.add_sequence(llm, reuse=False)
+            num_blocks = len(self.blocks.block_ids(llm.request_id))
+            transfer_id = f"t{next(_transfer_ids)}"
+            request.transfer_id = transfer_id
+            request.reserved = True
+            expires_s = now + self.config.reservation_timeout_s
+            self._reservations.append(ReservationNotice(llm.request_id, transfer_id, num_blocks, expires_s))
+            self._set_state(request, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {num_blocks} blocks")
+            request.expiry = self._at(expires_s, self._reservation_expired, request, transfer_id)
+
+    def _reservation_expired(self, request: _Request, transfer_id: str) -> None:
+        if request.finished or request.transfer_id != transfer_id or request.llm.state is not S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
+            return
+        detail = f"no KV committed within {self.config.reservation_timeout_s}s"
+        error = RequestError(ErrorCode.RESERVATION_EXPIRED, detail, FailureReason.RESERVATION_EXPIRED.value)
+        self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
+        self._after_change()
+
+    def _lease_expired(self, request: _Request) -> None:
+        if request.finished or request.pushing or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+            return
+        detail = f"KV not taken within the sender lease of {self.config.sender_lease_s}s"
+        self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=RequestError(ErrorCode.LEASE_EXPIRED, detail))
+        self._after_change()
+
+    def _finish(
+        self,
+        request: _Request,
+        state: LlmRequestState,
+        token: int | None,
+        reason: FinishReason | None,
+        *,
+        error: RequestError | None = None,
+        handed_over: bool = False,
+    ) -> None:
+        llm = request.llm
+        if request.expiry is not None:
+            request.expiry.cancel()  # 100,000 requests would otherwise leave as many dead timers queued
+        if self.blocks.has_sequence(llm.request_id):
+            self.blocks.remove_sequence(llm.request_id)
+        self._set_state(request, state, error.detail if error else "")
+        request.finished = True
+        self.stats.finished += 1
+        tokens = (token,) if reason is FinishReason.LENGTH and token is not None else ()
+        self._output(request, tokens, finished=True, finish_reason=reason, error=error, handed_over=handed_over)
+        del self._requests[llm.request_id]
+        if reason is not FinishReason.LENGTH:  # a step's finishers leave the active list in _complete
+            self._active = [r for r in self._active if r is not llm]
+
+    # --- KV hand-over -----------------------------------------------------------------------------------------
+    def _transfer(self, request: _Request, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
+        now = self._now()
+        receiver = self.net.by_address.get(target)
+        num_blocks = len(self.blocks.block_ids(request.submit.request_id))
+        num_bytes = num_blocks * self.config.tokens_per_block * self.profile.kv_bytes_per_token
+        control_s = self.profile.handover_fixed_s
+        failure: tuple[FailureReason, str] | None = None
+        kill: SimInstance | None = None
+        extra_s = 0.0
+        faults = self.net.faults
+        if faults is not None:
+            failure, kill, extra_s = self._draw_faults(faults, transfer_id, request.submit.request_id, receiver, num_blocks, deadline_s)
+        if receiver is None or receiver.dead:
+            failure = failure or (FailureReason.PEER_UNAVAILABLE, f"no KV receiver at {target}")
+        if failure is not None and failure[0] is FailureReason.RESOURCE_EXHAUSTED:
+            end_s = now + control_s / 2  # Prepare refused
+        elif failure is not None and failure[0] is FailureReason.DEADLINE_EXCEEDED:
+            end_s = now + deadline_s + extra_s
+        else:
+            end_s = self.net.network.schedule(self.instance_id, receiver.instance_id if receiver else target, num_bytes, now + control_s / 2)
+            end_s += control_s / 2 + extra_s
+            if end_s - now > deadline_s and failure is None:
+                failure = (FailureReason.DEADLINE_EXCEEDED, f"the transfer took longer than {deadline_s:.3f}s")
+                end_s = now + deadline_s
+        self.stats.transfers_sent += 1
+        self.stats.bytes_sent += num_bytes
+        if kill is not None:
+            self._loop.call_at(now + (end_s - now) / 2, kill.kill)
+        self._at(end_s, self._transfer_done, request, receiver, transfer_id, target_request_id, num_bytes, now, failure)
+
+    def _draw_faults(
+        self, faults: FaultInjector, transfer_id: str, request_id: str, receiver: SimInstance | None, num_blocks: int, deadline_s: float
+    ) -> tuple[tuple[FailureReason, str] | None, SimInstance | None, float]:
+        """The fault plan's draws for this transfer, as the real sender and receiver make them."""
+        sender_faults = faults.begin_transfer(FaultSide.SENDER, transfer_id, request_id)
+        receiver_faults = faults.begin_transfer(FaultSide.RECEIVER, transfer_id, request_id)
+        if receiver_faults.refuse():
+            return (FailureReason.RESOURCE_EXHAUSTED, "Prepare refused (fault plan)"), None, 0.0
+        delay_s = 0.0
+        for sequence in range(max(1, -(-num_blocks // BLOCKS_PER_CHUNK))):
+            for side, drawn in ((self, sender_faults.on_chunk(sequence)), (receiver, receiver_faults.on_chunk(sequence))):
+                if not drawn.any:
+                    continue
+                delay_s += drawn.delay_s
+                if drawn.kill:
+                    return (FailureReason.PEER_UNAVAILABLE, "a peer was killed (fault plan)"), side, delay_s
+                for flag, reason in (
+                    ("corrupt", FailureReason.CHECKSUM_MISMATCH), ("drop", FailureReason.INCOMPLETE),
+                    ("truncate", FailureReason.INCOMPLETE), ("close", FailureReason.PEER_UNAVAILABLE),
+                    ("expire", FailureReason.RESERVATION_EXPIRED),
+                ):
+                    if getattr(drawn, flag):
+                        return (reason, f"{flag} (fault plan)"), None, delay_s
+                if drawn.stall:
+                    return (FailureReason.DEADLINE_EXCEEDED, "stalled (fault plan)"), None, drawn.stall_extra_s
+        return None, None, delay_s
+
+    def _transfer_done(
+        self,
+        request: _Request,
+        receiver: SimInstance | None,
+        transfer_id: str,
+        target_request_id: str,
+        num_bytes: int,
+        started_s: float,
+        failure: tuple[FailureReason, str] | None,
+    ) -> None:
+        elapsed_s = self._now() - started_s
+        if failure is None and (receiver is None or receiver.dead or not receiver._receive(transfer_id, target_request_id)):
+            failure = (FailureReason.UNKNOWN_TRANSFER, f"{transfer_id} is not open on the receiver")
+        elif failure is not None and receiver is not None and not receiver.dead:
+            receiver._transfer_failed(transfer_id, target_request_id, failure)
+        request.pushing = False
+        rid = request.submit.request_id
+        if failure is None:
+            self._pushes.append(PushResult(rid, transfer_id, True, None, "", num_bytes, elapsed_s))
+        else:
+            self.stats.transfers_failed += 1
+            self._pushes.append(PushResult(rid, transfer_id, False, failure[0].value, failure[1], 0, elapsed_s))
+        if request.end_after_push is not None:
+            request.end_after_push()
+        elif not request.finished:
+            if failure is None:
+                self._finish(request, S.DISAGG_CONTEXT_COMPLETE, None, None, handed_over=True)
+            else:
+                self._event(rid, request.llm.state, f"push failed: {failure[0].value}: {failure[1]}")
+        self._after_change()
+
+    def _receive(self, transfer_id: str, request_id: str) -> bool:
+        """The KV of a reservation committed: the request generates from the next step."""
+        request = self._requests.get(request_id)
+        if request is None or request.finished or request.transfer_id != transfer_id:
+            return False
+        if request.llm.state is not S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
+            return False
+        llm = request.llm
+        if request.expiry is not None:
+            request.expiry.cancel()
+            request.expiry = None
+        llm.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
+        llm.context_current_position = llm.prompt_len
+        llm.add_new_token(request.submit.output_token_ids[-1])  # the first token, from the prefill instance
+        self._event(request_id, llm.state, "KV received")
+        if self.config.enable_prefix_reuse:
+            self.blocks.store_context_blocks(llm)
+        self._after_change()
+        return True
+
+    def _transfer_failed(self, transfer_id: str, request_id: str, failure: tuple[FailureReason, str]) -> None:
+        request = self._requests.get(request_id)
+        if request is None or request.finished or request.transfer_id != transfer_id:
+            return
+        error = RequestError(ErrorCode.TRANSFER_FAILED, failure[1], failure[0].value)
+        self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
+        self._after_change()
+
+    # --- read by the simulation's report -------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,100 @@
+"""Step-time profiles: how long one engine step takes, as a function of what the step runs.
+
+A profile is a small JSON file (`duet profile` writes a measured one; cluster/sim/roofline.py
+estimates one for a GPU from its datasheet). One step of an instance runs context chunks and
+generation tokens together (worker/engine.py); the model of its duration is
+
+    step_s = overhead_s + combine(compute_s, memory_s)
+    compute_s = prefill_s_per_token x context tokens
+              + prefill_s_per_token_pair x attended (query, key) pairs of the context chunks
+              + decode_s_per_sequence x generation requests
+    memory_s  = decode_s_per_context_token x context length summed over generation requests
+
+`combine` is "sum" for measured profiles (a linear fit of measured steps: on a CPU the parts do not
+overlap) and "max" for roofline ones (a GPU step is bound by compute or by memory traffic, the
+weights' read being in `overhead_s`). A KV hand-over costs `handover_fixed_s` of control path
+(Prepare and Commit round trips) plus the link's time for `kv_bytes_per_token` x its tokens
+(cluster/sim/link.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_FORMAT = "duet.step_profile.v1"
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read or is inconsistent."""
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    name: str
+    source: str  # "measured" or "roofline"
+    device: str
+    model: str
+    step_overhead_s: float
+    prefill_s_per_token: float
+    prefill_s_per_token_pair: float
+    decode_s_per_sequence: float
+    decode_s_per_context_token: float
+    handover_fixed_s: float
+    kv_bytes_per_token: int
+    combine: str = "sum"  # "sum" or "max" (see the module docstring)
+    notes: str = ""
+    fit: dict[str, Any] = field(default_factory=dict)  # how it was measured: samples, residuals
+
+    def __post_init__(self) -> None:
+        if self.combine not in ("sum", "max"):
+            raise ProfileError(f"combine: 'sum' or 'max', got {self.combine!r}")
+        for name in (
+            "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
+            "decode_s_per_context_token", "handover_fixed_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ProfileError(f"{name}: a number >= 0, got {value!r}")
+        if not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token <= 0:
+            raise ProfileError(f"kv_bytes_per_token: a positive integer, got {self.kv_bytes_per_token!r}")
+
+    def step_s(self, context_tokens: int, context_pairs: int, decode_sequences: int, decode_context_tokens: int) -> float:
+        """Seconds of one step that runs these (0 for an empty step: the engine does not step)."""
+        if not context_tokens and not decode_sequences:
+            return 0.0
+        compute_s = (
+            self.prefill_s_per_token * context_tokens
+            + self.prefill_s_per_token_pair * context_pairs
+            + self.decode_s_per_sequence * decode_sequences
+        )
+        memory_s = self.decode_s_per_context_token * decode_context_tokens
+        body_s = compute_s + memory_s if self.combine == "sum" else max(compute_s, memory_s)
+        return self.step_overhead_s + body_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, **asdict(self)}
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StepProfile:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ProfileError(f"not a {PROFILE_FORMAT} profile")
+        fields = {k: v for k, v in data.items() if k != "format"}
+        try:
+            return cls(**fields)
+        except TypeError as error:
+            raise ProfileError(str(error)) from None
+
+
+def context_pairs(cached_tokens: int, chunk_tokens: int) -> int:
+    """(query, key) pairs a context chunk attends: each of its tokens sees the cache and the chunk's
+    tokens before it (causal)."""
+    return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1) // 2

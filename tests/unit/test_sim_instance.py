@@ -1,0 +1,198 @@
+"""The simulated instance (cluster/sim/instance.py) against the engine it stands for, and the simulated
+cluster (cluster/sim/cluster.py) end to end on virtual time: roles, hand-over, pauses, prefix reuse,
+transfer faults and instance deaths, with the router's invariants (every request ends once, only
+legal transitions, no leaked blocks)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.arrivals import PoissonArrivals
+from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
+from cluster.sim.cluster import InstanceDeath, SimSettings, simulate
+from cluster.sim.instance import SimInstance, SimNetwork
+from cluster.sim.link import DATA_PLANES, Network
+from cluster.sim.profile import StepProfile
+from cluster.sim.vclock import run_virtual
+from worker.engine_types import EngineConfig
+from worker.protocol import RequestType, SubmitRequest
+from worker.sampling import SamplingParams
+
+PROFILE = StepProfile(
+    name="test", source="measured", device="test", model="test", step_overhead_s=1e-3, prefill_s_per_token=2e-5,
+    prefill_s_per_token_pair=1e-8, decode_s_per_sequence=2e-4, decode_s_per_context_token=1e-7,
+    handover_fixed_s=1e-3, kv_bytes_per_token=4096,
+)
+SETTINGS = SimSettings(PROFILE, DATA_PLANES["grpc-25gbe"])
+
+
+def _engine_config(**overrides) -> EngineConfig:
+    base = dict(num_blocks=64, tokens_per_block=16, max_num_tokens=128, chunk_unit_tokens=64, max_batch_size=8,
+                max_num_requests=8, enable_prefix_reuse=True)
+    return EngineConfig().with_overrides(**(base | overrides))
+
+
+PARITY_CASES = {
+    "chunked prefill and decode": {},
+    "pauses (MAX_UTILIZATION, a small pool)": {"num_blocks": 12, "capacity_policy": "MAX_UTILIZATION"},
+    "prefix reuse, unchunked": {"chunking_policy": None, "max_num_tokens": 4096, "max_num_requests": 2},
+}
+MAX_TOKENS = 40
+
+
+def _prompts() -> list[tuple[int, ...]]:
+    shared = tuple(range(40, 88))
+    return [shared + tuple(range(100 + i, 100 + i + 10 * (i + 1))) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    torch = pytest.importorskip("torch")
+    from worker.default_model import build_default_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend with the rest of the suite
+    try:
+        yield build_default_model()[:2]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _engine_steps(config: EngineConfig, default_model) -> list[tuple[int, int, int, int]]:
+    from worker.engine import Engine
+    from worker.profiler import _BatchRecorder
+
+    model, tokenizer = default_model
+    box = []
+
+    def factory(m, cache):
+        box.append(_BatchRecorder(m, cache))
+        return box[-1]
+
+    engine = Engine(model, tokenizer, config, runner_factory=factory)
+    for index, prompt in enumerate(_prompts()):
+        params = SamplingParams(max_tokens=MAX_TOKENS + index, temperature=0.0, ignore_eos=True, seed=index)
+        engine.add_request(SubmitRequest(f"r{index}", prompt, params, RequestType.CONTEXT_AND_GENERATION))
+    steps = []
+    while engine.num_requests:
+        box[0].last = None
+        engine.step()
+        if box[0].last is not None:
+            steps.append(box[0].last)
+    return steps
+
+
+def _sim_steps(config: EngineConfig) -> SimInstance:
+    async def main():
+        instance = SimInstance("m", config, PROFILE, SimNetwork(Network(DATA_PLANES["grpc-25gbe"])), rpc_latency_s=0.0)
+        instance.step_log = []
+        for index, prompt in enumerate(_prompts()):
+            params = SamplingParams(max_tokens=MAX_TOKENS + index, temperature=0.0, ignore_eos=True, seed=index)
+            await instance.submit(SubmitRequest(f"r{index}", prompt, params, RequestType.CONTEXT_AND_GENERATION))
+        while instance.num_requests:
+            await asyncio.sleep(0.01)
+        instance.check_integrity()
+        return instance
+
+    return run_virtual(main())
+
+
+@pytest.mark.parametrize("case", sorted(PARITY_CASES))
+def test_simulated_instance_schedules_every_step_as_the_engine_does(case: str, default_model) -> None:
+    # Same scheduler, same block manager, same order of block operations: the same batches, step by step.
+    config = _engine_config(**PARITY_CASES[case])
+    instance = _sim_steps(config)
+    assert instance.step_log == _engine_steps(config, default_model)
+    if "pauses" in case:
+        assert instance.stats.pauses > 0
+    if "reuse" in case:  # a first chunk that starts past cached blocks attends more than its own tokens
+        assert any(ctx and pairs > ctx * (ctx + 1) // 2 for ctx, pairs, _, _ in instance.step_log)
+
+
+def _cluster(groups: list[tuple[str, int]], **engine) -> ClusterConfig:
+    return ClusterConfig.from_dict({
+        "instances": [{"role": role, "count": count} for role, count in groups],
+        "engine": {"num_blocks": 512, "max_batch_size": 16, "max_num_requests": 16, **engine},
+    })
+
+
+def _requests(count: int = 24, **workload):
+    return build_workload(WorkloadConfig(**({"num_requests": count, "input_len": 96, "output_len": 12} | workload)), 0)
+
+
+def _check_invariants(outcome) -> None:
+    assert outcome.router["illegal_transitions"] == 0
+    assert outcome.router["inconsistent_reports"] == 0
+    assert outcome.leaked_blocks == 0
+
+
+def test_a_disaggregated_cluster_serves_a_workload_on_virtual_time() -> None:
+    outcome = simulate(_cluster([("PREFILL", 1), ("GENERATION", 2)]), SETTINGS, _requests(), PoissonArrivals(50.0))
+    metrics = outcome.point.metrics
+    assert metrics.completed == 24 and metrics.failed == 0
+    _check_invariants(outcome)
+    assert outcome.router["transfers"]["committed"] == 24
+    assert outcome.transfer_bytes == sum(r.bytes_received for r in outcome.instances) > 0
+    assert 0 < metrics.ttft_ms.p50 < 1000 and metrics.tpot_ms.p50 > 0
+    assert outcome.virtual_s > 0 and outcome.wall_s < 30
+    # Virtual time: a rerun gives the same latencies to the last digit.
+    again = simulate(_cluster([("PREFILL", 1), ("GENERATION", 2)]), SETTINGS, _requests(), PoissonArrivals(50.0))
+    assert [r.ttft_s for r in again.point.outcome.records] == [r.ttft_s for r in outcome.point.outcome.records]
+
+
+def test_mixed_instances_run_colocated_and_reuse_shared_prefixes() -> None:
+    workload = dict(kind=WorkloadKind.SHARED_PREFIX, num_prefixes=2, suffixes_per_prefix=6, prefix_len=128)
+    config = _cluster([("MIXED", 2)])
+    outcome = simulate(config, SETTINGS, _requests(**workload), PoissonArrivals(20.0))
+    assert outcome.point.metrics.completed == 12
+    assert outcome.point.metrics.prefix_cache_hit_rate > 0.3
+    assert outcome.transfer_bytes == 0
+    _check_invariants(outcome)
+
+
+def test_a_small_pool_pauses_and_recomputes_without_losing_a_request() -> None:
+    config = _cluster([("MIXED", 1)], num_blocks=40, capacity_policy="MAX_UTILIZATION")
+    outcome = simulate(config, SETTINGS, _requests(16), PoissonArrivals(1000.0))
+    assert outcome.point.metrics.completed == 16
+    assert sum(r.pauses for r in outcome.instances) > 0
+    _check_invariants(outcome)
+
+
+def test_transfer_faults_from_the_fault_plan_are_recovered() -> None:
+    config = ClusterConfig.from_dict({
+        "instances": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 2}],
+        "engine": {"num_blocks": 512},
+        "faults": {"seed": 3, "rules": [{"kind": "corrupt", "scope": "transfer", "probability": 0.5}]},
+    })
+    outcome = simulate(config, SETTINGS, _requests(), PoissonArrivals(50.0))
+    assert outcome.point.metrics.completed == 24
+    assert sum(r.transfers_failed for r in outcome.instances) > 0
+    assert outcome.router["recovery_actions"]
+    _check_invariants(outcome)
+
+
+def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovered() -> None:
+    settings = SimSettings(PROFILE, deaths=(InstanceDeath("generation-0", at_s=0.2),))
+    config = _cluster([("PREFILL", 1), ("GENERATION", 2)])
+    outcome = simulate(config, settings, _requests(40, output_len=200), PoissonArrivals(100.0))
+    records = outcome.point.outcome.records
+    assert len(records) == 40 and outcome.point.metrics.completed >= 30
+    assert outcome.router["recovery_actions"]
+    # The health bound (dead_after_s) passed on the simulated clock, not the wall clock.
+    assert outcome.virtual_s > config.router.health.dead_after_s
+    assert outcome.wall_s < 30
+
+
+def test_a_stream_interval_merges_tokens_but_keeps_ttft_tpot_and_e2e_exact() -> None:
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)])
+    requests = _requests(20, output_len=40)
+    every_step = simulate(config, SETTINGS, requests, PoissonArrivals(40.0))
+    merged = simulate(config, SimSettings(PROFILE, stream_interval_s=0.05), requests, PoissonArrivals(40.0))
+    for a, b in zip(every_step.point.outcome.records, merged.point.outcome.records, strict=True):
+        assert (a.ttft_s, a.e2e_s, a.output_tokens) == pytest.approx((b.ttft_s, b.e2e_s, b.output_tokens), abs=1e-12)
+        assert a.tpot_s == pytest.approx(b.tpot_s, abs=1e-12)
+        assert len(b.chunk_times_s) < len(a.chunk_times_s)  # fewer, larger token messages
+    _check_invariants(merged)

@@ -1,0 +1,228 @@
+"""The simulator's pieces: the virtual-time loop, step-time profiles (measured fit, roofline), the link
+model, trace replay in the Azure format, and the `duet sim` command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from cluster.loadgen.arrivals import ArrivalError, ScheduledArrivals
+from cluster.loadgen.trace import parse_rows, read_trace, trace_workload
+from cluster.loadgen.workloads import WorkloadError
+from cluster.sim.catalog import load_profile, shipped_profiles
+from cluster.sim.link import DATA_PLANES, LinkModel, Network
+from cluster.sim.profile import ProfileError, StepProfile, context_pairs
+from cluster.sim.roofline import DEVICES, MODELS, RooflineInputs, roofline_profile
+from cluster.sim.vclock import SimulationDeadlock, run_virtual
+
+TRACE = Path(__file__).resolve().parents[1] / "data" / "azure_trace_sample.csv"
+
+
+def test_the_virtual_loop_jumps_to_the_next_timer_instead_of_sleeping() -> None:
+    async def main() -> tuple[float, list[str]]:
+        loop = asyncio.get_running_loop()
+        order = []
+        loop.call_later(5.0, order.append, "b")
+        loop.call_later(1.0, order.append, "a")
+        await asyncio.sleep(3600.0)
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), 2.5)
+        except asyncio.TimeoutError:
+            order.append("timeout")
+        return loop.time(), order
+
+    now, order = run_virtual(main())
+    assert now == pytest.approx(3602.5)
+    assert order == ["a", "b", "timeout"]
+
+
+def test_a_wait_on_nothing_is_a_deadlock_not_a_hang() -> None:
+    async def main() -> None:
+        await asyncio.Event().wait()
+
+    with pytest.raises(SimulationDeadlock):
+        run_virtual(main())
+
+
+def test_step_time_is_overhead_plus_the_batch_and_zero_when_idle() -> None:
+    profile = StepProfile("p", "measured", "cpu", "m", 1e-3, 1e-5, 1e-8, 1e-4, 1e-7, 2e-3, 1024)
+    assert profile.step_s(0, 0, 0, 0) == 0.0
+    assert profile.step_s(100, context_pairs(0, 100), 0, 0) == pytest.approx(1e-3 + 1e-3 + 5050e-8)
+    assert profile.step_s(0, 0, 8, 8000) == pytest.approx(1e-3 + 8e-4 + 8e-4)
+    roof = StepProfile("r", "roofline", "gpu", "m", 1e-3, 1e-5, 0.0, 1e-4, 1e-6, 2e-3, 1024, combine="max")
+    assert roof.step_s(0, 0, 8, 8000) == pytest.approx(1e-3 + 8e-3)  # memory-bound: the max, not the sum
+    assert StepProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    with pytest.raises(ProfileError):
+        StepProfile.from_dict({"format": "other"})
+    with pytest.raises(ProfileError):
+        StepProfile("p", "measured", "cpu", "m", -1.0, 0, 0, 0, 0, 0, 1)
+
+
+def test_shipped_profiles_load_and_describe_this_kind_of_cpu() -> None:
+    shipped = shipped_profiles()
+    assert {"cpu-builtin", "cpu-bench8"} <= set(shipped)
+    for name in ("cpu-builtin", "cpu-bench8"):
+        profile = load_profile(name)
+        assert profile.source == "measured" and profile.combine == "sum"
+        assert profile.step_s(0, 0, 1, 100) > 0 and profile.handover_fixed_s > 0
+    # The bench model (8 layers, hidden 512) is slower per token than the built-in (4 layers, 128).
+    assert load_profile("cpu-bench8").step_s(256, context_pairs(0, 256), 0, 0) > load_profile("cpu-builtin").step_s(256, context_pairs(0, 256), 0, 0)
+    with pytest.raises(ProfileError, match="shipped"):
+        load_profile("no-such-profile")
+
+
+def test_roofline_profile_matches_a_hand_calculation() -> None:
+    model, device = MODELS["llama-3-8b"], DEVICES["h100-sxm"]
+    assert 7.4e9 < model.parameters < 7.6e9  # Llama 3 8B: 8.03e9 less the 0.53e9 embedding table (a lookup)
+    assert model.kv_bytes_per_token(2) == 2 * 32 * 8 * 128 * 2  # 128 KiB per token in bf16
+    profile = roofline_profile(RooflineInputs(model, device, compute_efficiency=0.5, memory_efficiency=0.8, step_overhead_s=0.0))
+    assert profile.source == "roofline" and "estimate" in profile.notes
+    weights_s = model.parameters * 2 / (3.35e12 * 0.8)
+    assert profile.step_overhead_s == pytest.approx(weights_s)
+    assert profile.prefill_s_per_token == pytest.approx(2 * model.parameters / (989e12 * 0.5))
+    # A decode step of 64 requests at 1k context is memory-bound at about weights + KV reads.
+    kv_s = 64 * 1024 * model.kv_bytes_per_token(2) / (3.35e12 * 0.8)
+    assert profile.step_s(0, 0, 64, 64 * 1024) == pytest.approx(weights_s + kv_s)
+    assert load_profile("roofline:h200:llama-3-70b").device == "h200"
+    with pytest.raises(ProfileError):
+        load_profile("roofline:tpu:llama-3-8b")
+
+
+def test_the_profile_fit_recovers_known_coefficients() -> None:
+    pytest.importorskip("torch")
+    from worker.profiler import StepSample, fit
+
+    truth = (2e-3, 3e-5, 4e-8, 1e-4, 1e-6)
+    samples = []
+    for ctx in (0, 64, 256, 1024):
+        for seqs in (0, 1, 8, 32):
+            for length in (100, 700):
+                if ctx == seqs == 0:
+                    continue
+                row = (ctx, context_pairs(0, ctx), seqs, seqs * length)
+                samples.append(StepSample(*row, truth[0] + sum(c * x for c, x in zip(truth[1:], row, strict=False))))
+    coefficients, quality = fit(samples)
+    assert list(coefficients.values()) == pytest.approx(truth, rel=1e-6)
+    assert quality["median_relative_error"] < 1e-9
+
+
+def test_the_link_model_queues_transfers_on_each_nic() -> None:
+    network = Network(LinkModel("test", 1e9, 1e-3))
+    first = network.schedule("p0", "g0", 10**9, now_s=0.0)
+    assert first == pytest.approx(1.001)
+    # Same sender: waits for the first; a different pair goes at once.
+    assert network.schedule("p0", "g1", 10**9, now_s=0.5) == pytest.approx(2.002)
+    assert network.schedule("p1", "g2", 10**6, now_s=0.5) == pytest.approx(0.502)
+    assert network.bytes_sent["p0"] == 2 * 10**9 and network.bytes_received["g2"] == 10**6
+    assert DATA_PLANES["nvlink-h100"].transfer_s(10**6) < DATA_PLANES["grpc-25gbe"].transfer_s(10**6)
+
+
+def test_an_azure_format_trace_replays_with_its_send_times(tmp_path: Path) -> None:
+    rows = read_trace(TRACE)
+    assert len(rows) == 200
+    requests, arrivals = trace_workload(rows, seed=1, max_requests=50)
+    assert len(requests) == 50 and arrivals.offsets[0] == 0.0
+    assert all(b >= a for a, b in zip(arrivals.offsets, arrivals.offsets[1:], strict=False))
+    assert [len(r.prompt) for r in requests] == [r.prompt_tokens for r in sorted(rows, key=lambda r: r.arrival_s)[:50]]
+    assert 4 < arrivals.x_value < 16  # the sample is ~8 requests/s
+    halved = trace_workload(rows, seed=1, max_requests=50, time_scale=0.5)[1]
+    assert halved.offsets[-1] == pytest.approx(arrivals.offsets[-1] / 2)
+    # Seconds and JSONL rows under the other names.
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"timestamp": 2.5, "prompt_tokens": 10, "output_tokens": 3}\n{"timestamp": 1.0, "prompt_tokens": 5, "output_tokens": 1}\n')
+    requests, arrivals = trace_workload(read_trace(jsonl))
+    assert arrivals.offsets == (0.0, 1.5) and [r.max_tokens for r in requests] == [1, 3]
+    with pytest.raises(WorkloadError, match="row 1"):
+        parse_rows([{"TIMESTAMP": "yesterday", "ContextTokens": 1, "GeneratedTokens": 1}])
+    with pytest.raises(ArrivalError):
+        ScheduledArrivals((1.0, 0.5))
+
+
+def _envelope(output: str) -> dict:
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def test_duet_sim_prints_the_bench_table_and_envelope(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    code = main(["sim", "--quick", "--instances", "1P,2G", "--out", str(tmp_path), "--no-plots", "--no-progress",
+                 "--slo-ttft-ms", "500", "--slo-tpot-ms", "100"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "TTFT p50" in out and "util mean" in out
+    envelope = _envelope(out)
+    assert envelope["bench"] == "duet_sim"
+    assert envelope["targets"]["completed_fraction"]["met"]
+    points = envelope["figures"]["simulation"]["points"]
+    assert points[0]["transfers"] > 0 and "GENERATION" in points[0]["utilisation_by_role"]
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert len(document["simulation"]["points"][0]["instances"]) == 3
+
+
+def test_duet_sim_replays_a_trace_on_a_mixed_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    code = main(["sim", "--workload", "trace", "--trace", str(TRACE), "--num-requests", "40", "--mixed", "2",
+                 "--prefill", "0", "--generation", "0", "--out", str(tmp_path), "--no-plots", "--no-progress"])
+    envelope = _envelope(capsys.readouterr().out)
+    assert code == 0 and envelope["figures"]["points"]["trace"]["completed"] == 40
+
+
+def test_duet_sim_names_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    assert main(["sim", "--instances", "3X"]) == 2
+    assert "--instances" in capsys.readouterr().err
+    assert main(["sim", "--profile", "nope"]) == 2
+
+
+def test_duet_plan_marks_the_best_split_and_writes_a_config_duet_serve_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+    from cluster.deploy.config import ClusterConfig
+
+    code = main(["plan", "--instances", "2", "--policies", "round_robin", "--workload", "fixed", "--num-requests", "60",
+                 "--input-len", "64", "--output-len", "8", "--duration", "1", "--slo-ttft-ms", "200", "--slo-tpot-ms", "50",
+                 "--out", str(tmp_path), "--no-plots"])
+    out = capsys.readouterr().out
+    assert code == 0
+    envelope = _envelope(out)["figures"]
+    assert set(envelope["candidates"]) == {"2 MIXED round_robin", "1P:1D round_robin"}
+    assert envelope["best"] in envelope["candidates"] and "* " + envelope["best"] in out
+    assert envelope["best_goodput_per_instance"] == max(envelope["candidates"].values()) > 0
+    config = ClusterConfig.from_yaml(envelope["cluster_yaml"])
+    assert sum(group.count for group in config.instances) == 2
+    assert json.loads((tmp_path / "plan.json").read_text())["probes"]
+
+
+def test_a_candidate_becomes_the_config_it_names() -> None:
+    from cluster.deploy.config import ClusterConfig
+    from cluster.router.config import DisaggMode
+    from cluster.sim.plan import Candidate, candidates
+
+    assert [c.label for c in candidates(3, ["kv_aware"])] == ["3 MIXED kv_aware", "1P:2D kv_aware", "2P:1D kv_aware"]
+    base = ClusterConfig.from_dict({"engine": {"num_blocks": 100}})
+    mixed = Candidate(0, 4, "least_loaded").config(base)
+    assert [(g.role.name, g.count) for g in mixed.instances] == [("MIXED", 4)]
+    assert mixed.router.placement.disaggregation is DisaggMode.NEVER and mixed.engine == {"num_blocks": 100}
+    split = Candidate(1, 3, "round_robin").config(base)
+    assert [(g.role.name, g.count) for g in split.instances] == [("PREFILL", 1), ("GENERATION", 3)]
+    assert split.router.placement.prefill_policy.__class__.__name__ == "RoundRobinParams"
+
+
+def test_duet_profile_measures_this_machine_and_writes_a_profile_duet_sim_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from cluster.cli.main import main
+
+    out = tmp_path / "here.json"
+    assert main(["profile", "--quick", "--out", str(out)]) == 0
+    profile = load_profile(str(out))
+    assert profile.source == "measured" and profile.model == "builtin" and profile.kv_bytes_per_token == 2048
+    assert profile.step_s(0, 0, 4, 400) > 0 and 0 < profile.handover_fixed_s < 1.0
+    assert profile.fit["samples"] >= 8
+    roof = tmp_path / "roof.json"
+    assert main(["profile", "--roofline", "a100-80g:qwen2-7b", "--out", str(roof)]) == 0
+    assert load_profile(str(roof)).source == "roofline"
+    assert main(["profile", "--roofline", "tpu:llama", "--out", str(roof)]) == 2
