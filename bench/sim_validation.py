@@ -36,9 +36,9 @@ from cluster.loadgen.metrics import BenchMetrics, Slo  # noqa: E402
 from cluster.loadgen.runner import SamplingSpec  # noqa: E402
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload  # noqa: E402
 from cluster.sim.capacity import cluster_rps  # noqa: E402
+from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
-from cluster.sim.catalog import load_profile  # noqa: E402
 
 BENCH = "sim_validation"
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")

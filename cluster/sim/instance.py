@@ -79,6 +79,10 @@ class _Request:
     reserved: bool = False
     pushing: bool = False  # prefill side: a push reads its blocks
     end_after_push: Callable[[], None] | None = None
+    # Prefill side: a push relayed while the context computes (an early reservation), started the
+    # moment the context is done, as worker/engine.py Engine.defer_push keeps it. (Chunk streaming
+    # is not modelled: the whole KV moves after the context.)
+    pending_push: tuple[str, str, float, str] | None = None
     finished: bool = False
     expiry: asyncio.TimerHandle | None = None  # its lease or reservation timer, cancelled when it ends
 
@@ -255,8 +259,8 @@ class SimInstance:
         produced = len(request.output_token_ids)
         max_new = min(params.max_tokens - produced, self.max_seq_len - len(context))
         generation_only = request.request_type is RequestType.GENERATION_ONLY
-        if generation_only:
-            max_new += 1  # the first token arrives with the KV (worker/engine.py add_request)
+        if generation_only and not request.token_with_kv:
+            max_new += 1  # the first token is in output_token_ids, not the context (worker/engine.py add_request)
         state = S.DISAGG_GENERATION_INIT if generation_only else S.CONTEXT_INIT
         llm = LlmRequest(rid, context, max_new, priority=request.priority, state=state)
         self._requests[rid] = _Request(request, llm, params.seed or 0, produced)
@@ -298,6 +302,14 @@ class SimInstance:
     async def push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
         await self._rpc()
         request = self._requests.get(request_id)
+        if (
+            request is not None
+            and not request.finished
+            and request.submit.request_type is RequestType.CONTEXT_ONLY
+            and request.llm.state in (S.CONTEXT_INIT, S.DISAGG_CONTEXT_INIT_AND_TRANS)
+        ):
+            request.pending_push = (target, transfer_id, deadline_s, target_request_id or request_id)
+            return
         if request is None or request.finished or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             detail = f"request {request_id!r} is not waiting to hand over its KV"
             self._pushes.append(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, detail, 0, 0.0))
@@ -305,6 +317,18 @@ class SimInstance:
             return
         request.pushing = True
         self._transfer(request, target, transfer_id, deadline_s, target_request_id or request_id)
+
+    async def renew(self, request_ids: tuple[str, ...]) -> None:
+        """Push the expiry of these early reservations out by their timeout (worker/handover.py renew)."""
+        await self._rpc()
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None or request.finished or request.llm.state is not S.DISAGG_GENERATION_TRANS_IN_PROGRESS:
+                continue
+            if request.expiry is not None:
+                request.expiry.cancel()
+            transfer_id = request.transfer_id
+            request.expiry = self._at(self._now() + self.config.reservation_timeout_s, self._reservation_expired, request, transfer_id)
 
     async def poll(self, timeout_s: float) -> PollBatch:
         if self.dead:
@@ -492,6 +516,11 @@ class SimInstance:
                 self._set_state(request, S.DISAGG_CONTEXT_TRANS_IN_PROGRESS)
                 request.expiry = self._at(self._now() + self.config.sender_lease_s, self._lease_expired, request)
                 self._output(request, (token,), context_done=True)
+                if request.pending_push is not None:
+                    target, transfer_id, deadline_s, target_request_id = request.pending_push
+                    request.pending_push = None
+                    request.pushing = True
+                    self._transfer(request, target, transfer_id, deadline_s, target_request_id)
                 continue
             if finishing_context:
                 self._set_state(request, S.GENERATION_IN_PROGRESS)
@@ -519,7 +548,9 @@ class SimInstance:
             request.transfer_id = transfer_id
             request.reserved = True
             expires_s = now + self.config.reservation_timeout_s
-            self._reservations.append(ReservationNotice(llm.request_id, transfer_id, num_blocks, expires_s))
+            self._reservations.append(
+                ReservationNotice(llm.request_id, transfer_id, num_blocks, expires_s, self.config.reservation_timeout_s)
+            )
             self._set_state(request, S.DISAGG_GENERATION_TRANS_IN_PROGRESS, f"reserved {num_blocks} blocks")
             request.expiry = self._at(expires_s, self._reservation_expired, request, transfer_id)
 
@@ -664,7 +695,13 @@ class SimInstance:
             request.expiry = None
         llm.set_state(S.DISAGG_GENERATION_TRANS_COMPLETE)
         llm.context_current_position = llm.prompt_len
-        llm.add_new_token(request.submit.output_token_ids[-1])  # the first token, from the prefill instance
+        if request.submit.token_with_kv:
+            # An early reservation: the first token comes with the commit (a function of the
+            # position here, as every simulated token is).
+            llm.add_new_token(instant_token(request.seed, request.num_outputs, self.vocab_size))
+            request.num_outputs += 1
+        else:
+            llm.add_new_token(request.submit.output_token_ids[-1])  # the first token, from the prefill instance
         self._event(request_id, llm.state, "KV received")
         if self.config.enable_prefix_reuse:
             self.blocks.store_context_blocks(llm)

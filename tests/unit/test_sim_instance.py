@@ -181,8 +181,9 @@ def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovere
     records = outcome.point.outcome.records
     assert len(records) == 40 and outcome.point.metrics.completed >= 30
     assert outcome.router["recovery_actions"]
-    # The health bound (dead_after_s) passed on the simulated clock, not the wall clock.
-    assert outcome.virtual_s > config.router.health.dead_after_s
+    # Detected on the simulated clock (two failed polls in a row, cluster/router/fleet.py), well
+    # before the health bound's silence, and the run went on after it.
+    assert outcome.virtual_s > settings.deaths[0].at_s + 2 * min(0.2, config.router.health.heartbeat_interval_s)
     assert outcome.wall_s < 30
 
 
