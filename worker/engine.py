@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.block_manager import BlockManager, BlockManagerConfig
-from scheduler.config import CapacitySchedulerPolicy, ChunkingConfig, SchedulerConfig
+from scheduler.block_manager import BlockManager
+from scheduler.config import CapacitySchedulerPolicy
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
@@ -163,27 +163,8 @@ class Engine:
         if model.device.type == "cuda":
             disable_cudnn_attention()
         self.runner = runner_factory(model, self.kv_cache)
-        self.blocks = BlockManager(
-            BlockManagerConfig(
-                tokens_per_block=cfg.tokens_per_block,
-                num_blocks=num_blocks,
-                max_attention_window=self.max_seq_len,
-                enable_block_reuse=cfg.enable_prefix_reuse,
-                record_events=cfg.record_prefix_events and cfg.enable_prefix_reuse,
-            )
-        )
-        self.scheduler = TwoLevelScheduler(
-            SchedulerConfig(
-                max_num_requests=cfg.max_num_requests,
-                max_batch_size=cfg.max_batch_size,
-                max_num_tokens=cfg.max_num_tokens,
-                capacity_policy=cfg.capacity_policy,
-                chunking=None
-                if cfg.chunking_policy is None
-                else ChunkingConfig(cfg.chunking_policy, cfg.chunk_unit_tokens),
-            ),
-            self.blocks,
-        )
+        self.blocks = BlockManager(cfg.block_manager_config(num_blocks, self.max_seq_len))
+        self.scheduler = TwoLevelScheduler(cfg.scheduler_config(), self.blocks)
         if cfg.chunking_policy is None and cfg.max_num_tokens < self.max_seq_len:
             # Unchunked, a paused request returns with prompt + generated tokens as one context.
             raise EngineInputError(

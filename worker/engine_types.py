@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from scheduler.config import CapacitySchedulerPolicy, ContextChunkingPolicy
+from scheduler.block_manager import BlockManagerConfig
+from scheduler.config import CapacitySchedulerPolicy, ChunkingConfig, ContextChunkingPolicy, SchedulerConfig
 from worker.config import (
     ConfigProblem,
     ConfigStruct,
@@ -90,6 +91,27 @@ class EngineConfig(ConfigStruct, frozen=True):
             raise EngineInputError(
                 "chunk_unit_tokens", f"{self.chunk_unit_tokens} exceeds max_num_tokens {self.max_num_tokens}"
             )
+
+    def block_manager_config(self, num_blocks: int, max_seq_len: int) -> BlockManagerConfig:
+        """The block manager an engine of this config runs (the simulator's instances too)."""
+        return BlockManagerConfig(
+            tokens_per_block=self.tokens_per_block,
+            num_blocks=num_blocks,
+            max_attention_window=max_seq_len,
+            enable_block_reuse=self.enable_prefix_reuse,
+            record_events=self.record_prefix_events and self.enable_prefix_reuse,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The two-level scheduler an engine of this config runs (the simulator's instances too)."""
+        chunking = None if self.chunking_policy is None else ChunkingConfig(self.chunking_policy, self.chunk_unit_tokens)
+        return SchedulerConfig(
+            max_num_requests=self.max_num_requests,
+            max_batch_size=self.max_batch_size,
+            max_num_tokens=self.max_num_tokens,
+            capacity_policy=self.capacity_policy,
+            chunking=chunking,
+        )
 
     def with_overrides(self, **overrides: object) -> EngineConfig:
         """A copy with some fields replaced (policy and role names may be given as strings)."""

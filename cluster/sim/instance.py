@@ -36,8 +36,7 @@ import msgspec
 from cluster.router.instance_client import InstanceRejected, InstanceUnavailable
 from cluster.sim.link import Network
 from cluster.sim.profile import StepProfile, context_pairs
-from scheduler.block_manager import BlockManager, BlockManagerConfig
-from scheduler.config import ChunkingConfig, SchedulerConfig
+from scheduler.block_manager import BlockManager
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
@@ -158,25 +157,8 @@ class SimInstance:
 
     def _reset(self) -> None:
         cfg = self.config
-        self.blocks = BlockManager(
-            BlockManagerConfig(
-                tokens_per_block=cfg.tokens_per_block,
-                num_blocks=self.num_blocks,
-                max_attention_window=self.max_seq_len,
-                enable_block_reuse=cfg.enable_prefix_reuse,
-                record_events=cfg.record_prefix_events and cfg.enable_prefix_reuse,
-            )
-        )
-        self.scheduler = TwoLevelScheduler(
-            SchedulerConfig(
-                max_num_requests=cfg.max_num_requests,
-                max_batch_size=cfg.max_batch_size,
-                max_num_tokens=cfg.max_num_tokens,
-                capacity_policy=cfg.capacity_policy,
-                chunking=None if cfg.chunking_policy is None else ChunkingConfig(cfg.chunking_policy, cfg.chunk_unit_tokens),
-            ),
-            self.blocks,
-        )
+        self.blocks = BlockManager(cfg.block_manager_config(self.num_blocks, self.max_seq_len))
+        self.scheduler = TwoLevelScheduler(cfg.scheduler_config(), self.blocks)
         self._requests: dict[str, _Request] = {}
         self._active: list[LlmRequest] = []
         self._outputs: list[RequestOutput] = []
