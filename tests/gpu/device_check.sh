@@ -51,7 +51,7 @@ if [ "$quick" = quick ]; then
     exit 0
 fi
 step engine_cuda 180 python3 bench/engine_bench.py --device cuda
-step handover_cuda 150 python3 bench/handover_latency.py --device cuda --dtype bfloat16
+step handover_cuda 150 python3 bench/handover_latency.py --device cuda --dtype bfloat16 --prompt-tokens 2048 --max-num-tokens 512 --repeats 10
 step transfer_16core 150 python3 bench/transfer_bench.py
 step transfer_16core_2x2 120 python3 bench/transfer_bench.py --streams 2 --connections 2 --repetitions 5
 step scheduler_16core 200 python3 bench/scheduler_bench.py
