@@ -188,7 +188,8 @@ async def simulate_async(
     router_figures = {
         "illegal_transitions": router.illegal_transitions,
         "inconsistent_reports": router.inconsistent_reports,
-        "recovery_actions": dict(router.recovery_actions),
+        # By name: the figures are written as JSON with sorted keys (enums do not sort).
+        "recovery_actions": {action.value: count for action, count in router.recovery_actions.items()},
         "transfers": dict(router.transfers),
     }
     return SimOutcome(point, reports, router_figures, virtual_s, time.perf_counter() - wall_started, leaked)

@@ -197,3 +197,16 @@ def test_a_stream_interval_merges_tokens_but_keeps_ttft_tpot_and_e2e_exact() -> 
         assert a.tpot_s == pytest.approx(b.tpot_s, abs=1e-12)
         assert len(b.chunk_times_s) < len(a.chunk_times_s)  # fewer, larger token messages
     _check_invariants(merged)
+
+
+def test_the_router_figures_of_a_run_with_several_recovery_actions_are_json() -> None:
+    import json
+
+    config = ClusterConfig.from_dict({
+        "instances": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 2}],
+        "engine": {"num_blocks": 512},
+        "faults": {"seed": 3, "rules": [{"kind": "corrupt", "scope": "transfer", "probability": 0.9}]},
+    })
+    outcome = simulate(config, SETTINGS, _requests(), PoissonArrivals(50.0))
+    assert len(outcome.router["recovery_actions"]) >= 2, outcome.router
+    assert json.loads(json.dumps(outcome.router, sort_keys=True)) == outcome.router
