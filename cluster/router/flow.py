@@ -205,6 +205,9 @@ class RequestFlow:
         # Outputs of an early generation hop that committed and decoded before the router heard of
         # the prefill's first token: streamed right after it, in order.
         self._held: list[RequestOutput] = []
+        # Why a push streaming to the early reservation failed while the context computed (the
+        # hand-over is then retried at context done, and the timeline says so).
+        self._early_failure: str | None = None
         # Waiting for a healthy instance (RecoveryAction.WAIT_FOR_INSTANCE, or admitted during an
         # outage): since when, and until when at most. None: not waiting.
         self.waiting_since_s: float | None = None
@@ -362,7 +365,11 @@ class RequestFlow:
             if target is None:
                 self._recover(actions, attempt, "no generation instance for the hand-over", fleet, kv_survives=True)
                 return
-            self._transition(GlobalState.GENERATION_INIT, target, "first token; reserving KV")
+            detail = "first token; reserving KV"
+            if self._early_failure is not None:
+                detail = f"first token; retry transfer ({self._early_failure}): reserving KV"
+                self._early_failure = None
+            self._transition(GlobalState.GENERATION_INIT, target, detail)
             self._start(actions, fleet, Phase.GENERATION, target)
             return
         if not output.finished:
@@ -389,7 +396,7 @@ class RequestFlow:
             return
         if output.error.code is ErrorCode.ABORTED or attempt.failure_handled:
             return
-        if self._early_hop_lost(attempt):
+        if self._early_hop_lost(attempt, f"{output.error.transfer_reason or output.error.code.value}: {output.error.detail}"):
             return
         if attempt.phase is Phase.GENERATION and self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
             kv_survives = self.prefill is not None and self.prefill.holds_handover_kv
@@ -470,13 +477,14 @@ class RequestFlow:
         for output in held:
             actions.extend(self.on_output(early, output, self._now_s, fleet))
 
-    def _early_hop_lost(self, attempt: Attempt) -> bool:
+    def _early_hop_lost(self, attempt: Attempt, reason: str) -> bool:
         """An early generation hop failed or its instance died while the prefill still runs: drop it;
         the hop starts again at context done, elsewhere if need be. True if that is the case."""
         if not (attempt.phase is Phase.GENERATION and attempt.early and self.state in (GlobalState.CONTEXT_WAIT, GlobalState.CONTEXT_IN_PROGRESS)):
             return False
         attempt.live = False
         attempt.failure_handled = True
+        self._early_failure = f"the early reservation was lost: {reason}"
         if self.planned_generation == attempt.instance_id:
             self.planned_generation = None
         self._held.clear()
@@ -496,6 +504,7 @@ class RequestFlow:
             # reservation may hold part of the KV. Free it; the hand-over starts again at context
             # done (the prefill instance keeps computing, and then holds the KV).
             generation.failure_handled = True
+            self._early_failure = f"the streamed push failed: {push.reason}"
             self._stop(actions, generation, f"its push failed while the context computed: {push.reason}")
             return actions
         if self.state not in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
@@ -528,7 +537,7 @@ class RequestFlow:
         if rejected is not None:
             field, message = rejected
             return self._end(actions, Outcome.ERROR, None, None, ErrorKind.INVALID_ARGUMENT, f"{field}: {message}")
-        if self._early_hop_lost(attempt):
+        if self._early_hop_lost(attempt, f"{attempt.instance_id} unavailable: {unavailable}"):
             return actions
         # A generation hop that could not be submitted leaves the prefill's KV where it was.
         kv_survives = attempt.phase is Phase.GENERATION and self.prefill is not None and self.prefill.holds_handover_kv
@@ -542,7 +551,7 @@ class RequestFlow:
         actions: list[Action] = []
         if self.ended or not attempt.live:
             return actions
-        if self._early_hop_lost(attempt):
+        if self._early_hop_lost(attempt, reason):
             return actions
         attempt.live = False
         # The KV a prefill hop holds dies with it; a generation hop loses its reservation.

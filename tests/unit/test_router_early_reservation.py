@@ -266,3 +266,16 @@ def test_a_push_failing_while_the_context_streams_frees_the_early_reservation() 
     (late,) = starts(first_token(run))
     assert late.phase is Phase.GENERATION and not late.token_with_kv
     assert run.flow.state is S.GENERATION_INIT
+    assert "retry transfer (the streamed push failed: CHECKSUM_MISMATCH)" in run.flow.timeline.entries[-1].detail
+
+
+def test_the_timeline_says_why_the_hand_over_was_retried_at_context_done() -> None:
+    run = early_run()
+    run.apply(lambda f, t, fl: f.admit(t, fl))
+    prefill_started(run)
+    generation = run.hop(Phase.GENERATION)
+    reserve(run, generation)
+    error = RequestError(ErrorCode.TRANSFER_FAILED, "bad chunk", "CHECKSUM_MISMATCH")
+    run.apply(lambda f, t, fl: f.on_output(generation, output(generation, finished=True, error=error), t, fl))
+    first_token(run)
+    assert "retry transfer (the early reservation was lost: CHECKSUM_MISMATCH: bad chunk)" in run.flow.timeline.entries[-1].detail
