@@ -138,7 +138,6 @@ class Attempt:
     recompute: bool = False
     # GENERATION hops submitted while the prefill runs (an early reservation, ReserveAt):
     early: bool = False
-    push_relayed: bool = False  # its reservation went to the prefill instance, which pushes on its own
     committed: bool = False  # the instance reported the KV committed (maybe before the first token)
     reserved_blocks: int = 0
     reserved_bytes: int = 0
@@ -420,7 +419,6 @@ class RequestFlow:
         if attempt.early and prefill is not None and prefill.live and not prefill.context_done:
             # Reserved while the prefill runs: relay the target now, off the critical path; the
             # prefill instance pushes the moment its KV is final.
-            attempt.push_relayed = True
             actions.append(self._push_action(prefill, attempt))
             return actions
         if prefill is None or not prefill.holds_handover_kv:
@@ -428,7 +426,6 @@ class RequestFlow:
             return actions
         self._transition(GlobalState.TRANSMISSION, attempt.instance_id, f"pushing {notice.num_blocks} blocks")
         actions.append(NoteTransfer(TransferNote.STARTED))
-        attempt.push_relayed = True
         actions.append(self._push_action(prefill, attempt))
         return actions
 
@@ -460,7 +457,7 @@ class RequestFlow:
     def _handover_early(self, actions: list[Action], prefill: Attempt, early: Attempt, fleet: FleetView) -> None:
         """The prefill's first token reached the router and its generation hop was submitted early:
         the request moves through the hand-over states as far as the instances have gone."""
-        if not early.push_relayed:
+        if early.transfer_id is None:  # a live hop's reservation is relayed the moment it is made
             # The generation pool could not reserve yet: the push is relayed when it does.
             self._transition(GlobalState.GENERATION_INIT, early.instance_id, "first token; waiting for the early reservation")
             return
