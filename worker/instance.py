@@ -443,8 +443,8 @@ class Instance:
 
     def _publish_planned(self) -> None:
         """Loop thread, before a forward pass: what the step's planning recorded (prefill started,
-        reservations) goes out now rather than after the pass."""
-        self._refresh_load()
+        reservations) goes out now rather than after the pass. (The load snapshot is the previous
+        step's until this one ends: refreshing it here too would walk every request twice a step.)"""
         self._publish([])
 
     def _publish(self, outputs: list) -> None:
