@@ -64,6 +64,16 @@ def first_token(run: Run, token: int = 5) -> list:
     return run.apply(lambda f, t, fl: f.on_output(prefill, output(prefill, (token,), context_done=True), t, fl))
 
 
+def relayed_run() -> tuple[Run, Attempt]:
+    """A request whose prefill runs and whose early reservation was relayed to it."""
+    run = early_run()
+    run.apply(lambda f, t, fl: f.admit(t, fl))
+    prefill_started(run)
+    generation = run.hop(Phase.GENERATION)
+    reserve(run, generation)
+    return run, generation
+
+
 def states(run: Run) -> list[GlobalState]:
     return [entry.state for entry in run.flow.timeline.entries]
 
@@ -117,11 +127,7 @@ def test_the_reservation_is_relayed_during_the_prefill_and_the_first_token_moves
 
 
 def test_a_commit_and_tokens_before_the_first_token_are_held_then_streamed_in_order() -> None:
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     # The generation instance's poll loop is ahead of the prefill instance's.
     committed = commit(run, generation)
     assert not [a for a in committed if type(a).__name__ == "NoteInconsistent"]
@@ -149,11 +155,7 @@ def test_a_pool_too_full_to_reserve_early_reserves_after_the_first_token() -> No
 
 
 def test_early_reservations_are_renewed_until_the_context_is_done() -> None:
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     assert not [a for a in run.apply(lambda f, t, fl: f.on_tick(t, fl)) if isinstance(a, RenewReservation)]
     renew = run.apply(lambda f, t, fl: f.on_tick(t + LEASE_S / 3, fl))
     assert renew == [RenewReservation("g0", generation.engine_id)]
@@ -163,11 +165,7 @@ def test_early_reservations_are_renewed_until_the_context_is_done() -> None:
 
 @pytest.mark.parametrize("how", ["instance died", "submit unavailable", "reservation expired"])
 def test_an_early_hop_lost_during_the_prefill_costs_no_recovery(how: str) -> None:
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     if how == "instance died":
         set_health(run.fleet, "g0", False)
         out = run.apply(lambda f, t, fl: f.on_instance_dead(generation, "instance g0 died", t, fl))
@@ -188,11 +186,7 @@ def test_an_early_hop_lost_during_the_prefill_costs_no_recovery(how: str) -> Non
 
 
 def test_a_failed_prefill_stops_its_early_generation_hop() -> None:
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     prefill = run.hop(Phase.PREFILL)
     error = RequestError(ErrorCode.INTERNAL, "model failed")
     out = run.apply(lambda f, t, fl: f.on_output(prefill, output(prefill, finished=True, error=error), t, fl))
@@ -211,11 +205,7 @@ def test_a_client_abort_during_the_prefill_frees_both_hops() -> None:
 
 
 def test_a_failed_early_push_retries_the_transfer_from_the_held_kv() -> None:
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     first_token(run)
     prefill = run.hop(Phase.PREFILL)
     push = PushResult(prefill.engine_id, generation.transfer_id or "", False, "PEER_UNAVAILABLE", "x", 0, 0.0)
@@ -252,11 +242,7 @@ def test_a_push_failing_while_the_context_streams_frees_the_early_reservation() 
     """The prefill instance streams finished chunks to the early reservation and the push fails
     before the context is done: the generation hop is stopped (its blocks may hold part of the KV),
     no recovery is needed, and the hand-over starts again from the KV the prefill still computes."""
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     prefill = run.hop(Phase.PREFILL)
     push = PushResult(prefill.engine_id, generation.transfer_id or "", False, "CHECKSUM_MISMATCH", "x", 0, 0.0)
     out = run.apply(lambda f, t, fl: f.on_push_result(prefill, push, t, fl))
@@ -270,11 +256,7 @@ def test_a_push_failing_while_the_context_streams_frees_the_early_reservation() 
 
 
 def test_the_timeline_says_why_the_hand_over_was_retried_at_context_done() -> None:
-    run = early_run()
-    run.apply(lambda f, t, fl: f.admit(t, fl))
-    prefill_started(run)
-    generation = run.hop(Phase.GENERATION)
-    reserve(run, generation)
+    run, generation = relayed_run()
     error = RequestError(ErrorCode.TRANSFER_FAILED, "bad chunk", "CHECKSUM_MISMATCH")
     run.apply(lambda f, t, fl: f.on_output(generation, output(generation, finished=True, error=error), t, fl))
     first_token(run)
