@@ -31,6 +31,7 @@ The requests are loadgen's RequestRecords (cluster/loadgen/metrics.py) with the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -69,6 +70,7 @@ _ACTIONS = (
     ("re-run prefill", "reprefill_elsewhere"),
     ("re-run colocated", "reprefill_elsewhere"),
     ("recompute locally", "recompute_local"),
+    ("waiting up to", "wait_for_instance"),
 )
 
 
@@ -109,9 +111,10 @@ def _bucket(max_tokens: int) -> int:
     return max(0, math.ceil(math.log2(max_tokens)))
 
 
-def extra_latencies(records: Sequence[RequestRecord]) -> list[float]:
-    """For each recovered completed request: its latency minus the median latency of the
-    non-recovered completed requests of its max_tokens bucket (skipped when that bucket has none)."""
+def recovered_extras(records: Sequence[RequestRecord]) -> list[tuple[RequestRecord, float]]:
+    """Each recovered completed request with its extra latency: its latency minus the median latency
+    of the non-recovered completed requests of its max_tokens bucket (skipped when that bucket has
+    none)."""
     baseline: dict[int, list[float]] = {}
     for record in records:
         if record.ok and not was_recovered(record):
@@ -122,8 +125,72 @@ def extra_latencies(records: Sequence[RequestRecord]) -> list[float]:
         if record.ok and was_recovered(record):
             median = medians.get(_bucket(record.expected_output_tokens))
             if median is not None:
-                extras.append(record.e2e_s - median)
+                extras.append((record, record.e2e_s - median))
     return extras
+
+
+def extra_latencies(records: Sequence[RequestRecord]) -> list[float]:
+    """The extra latencies of `recovered_extras`."""
+    return [extra for _, extra in recovered_extras(records)]
+
+
+def timeline_summary(timeline: Sequence[StateChange]) -> str:
+    """A timeline on one line, milliseconds since its first entry: where a slow recovery spent its
+    time ("CONTEXT_WAIT +0 | ... | QUEUED +2310 wait for instance ...")."""
+    if not timeline:
+        return "-"
+    start_s = timeline[0].time_s
+    parts = []
+    for entry in timeline:
+        where = f"@{entry.instance_id}" if entry.instance_id else ""
+        detail = f" {entry.detail}" if entry.detail else ""
+        parts.append(f"{entry.state}{where} +{(entry.time_s - start_s) * 1000:.0f}{detail}")
+    return " | ".join(parts)
+
+
+@dataclass(frozen=True)
+class SlowRecovery:
+    """One of the recovered requests with the most extra latency, and where its time went."""
+
+    client_request_id: str
+    extra_latency_s: float
+    recoveries: tuple[tuple[str, str], ...]  # (action, cause), as in the timeline
+    timeline: str  # timeline_summary
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "id": self.client_request_id,
+            "extra_latency_s": round(self.extra_latency_s, 3),
+            "recoveries": [f"{action}:{cause}" for action, cause in self.recoveries],
+            "timeline": self.timeline,
+        }
+
+
+SLOWEST_SHOWN = 10
+
+
+def slowest_recoveries(extras: Sequence[tuple[RequestRecord, float]], count: int = SLOWEST_SHOWN) -> tuple[SlowRecovery, ...]:
+    ranked = sorted(extras, key=lambda pair: pair[1], reverse=True)[:count]
+    return tuple(
+        SlowRecovery(soak_request_id(record.index), extra, tuple(timeline_recoveries(record.timeline)), timeline_summary(record.timeline))
+        for record, extra in ranked
+    )
+
+
+def extra_latency_by_first_cause(extras: Sequence[tuple[RequestRecord, float]]) -> dict[str, dict[str, float | int]]:
+    """Extra latency by the cause of each request's first recovery: count, p50 and p95 (seconds)."""
+    groups: dict[str, list[float]] = {}
+    for record, extra in extras:
+        found = timeline_recoveries(record.timeline)
+        groups.setdefault(found[0][1] if found else "none", []).append(extra)
+    return {
+        cause: {
+            "count": len(values),
+            "p50_s": round(percentile(values, 50, PercentileMethod.NEAREST_RANK), 3),
+            "p95_s": round(percentile(values, 95, PercentileMethod.NEAREST_RANK), 3),
+        }
+        for cause, values in sorted(groups.items())
+    }
 
 
 @dataclass(frozen=True)
@@ -162,6 +229,8 @@ class SoakReport:
     failures: tuple[RequestRecord, ...] = ()  # accepted, not completed (lost ones included)
     instances_after: tuple[str, ...] = ()  # the faulty cluster's instances once settled
     shm_segments_left: int = 0  # the faulty cluster's shared-memory segments once it has stopped
+    slowest_recovered: tuple[SlowRecovery, ...] = ()
+    extra_latency_by_cause: Mapping[str, Mapping[str, float | int]] = dataclasses.field(default_factory=dict)
 
     @property
     def faults_fired(self) -> int:
@@ -192,6 +261,8 @@ class SoakReport:
             "extra_latency_p50_s": _round(self.extra_latency_p50_s),
             "extra_latency_p95_s": _round(self.extra_latency_p95_s),
             "extra_latency_p99_s": _round(self.extra_latency_p99_s),
+            "extra_latency_by_cause": {cause: dict(values) for cause, values in self.extra_latency_by_cause.items()},
+            "slowest_recovered": [slow.figures() for slow in self.slowest_recovered],
             "kill_only_role": self.config.kill_role,
             "faults_fired": self.faults_fired,
             "recoveries_by_cause": dict(self.recoveries_by_cause),
@@ -262,6 +333,9 @@ class SoakReport:
             lines.append(f"failed: {soak_request_id(record.index)} {record.status} after {record.e2e_s:.1f} s; hops {hops}; {last}")
         for mismatch in self.mismatches[:10]:
             lines.append(f"mismatch: {mismatch.client_request_id} at token {mismatch.first_difference}: {mismatch.detail}")
+        for slow in self.slowest_recovered[:5]:
+            recoveries = ", ".join(f"{action}:{cause}" for action, cause in slow.recoveries) or "-"
+            lines.append(f"slow recovery: {slow.client_request_id} +{slow.extra_latency_s:.2f} s ({recoveries}): {slow.timeline}")
         if self.lost_ids:
             lines.append(f"lost: {', '.join(self.lost_ids[:20])}")
         if self.instances_after:
@@ -328,7 +402,8 @@ def build_report(
                         + ", ".join(f"{w.phase}@{w.instance_id}#{w.attempt}" for w in record.instances),
                     )
                 )
-    extras = extra_latencies(records)
+    recovered = recovered_extras(records)
+    extras = [extra for _, extra in recovered]
     planned_counts: Counter = Counter(kind for kinds in planned.values() for kind in kinds)
     return SoakReport(
         config=config,
@@ -357,5 +432,7 @@ def build_report(
         mismatches=tuple(mismatches),
         failures=tuple(r for r in records if r.accepted and not r.ok),
         instances_after=tuple(instances_after),
+        slowest_recovered=slowest_recoveries(recovered),
+        extra_latency_by_cause=extra_latency_by_first_cause(recovered),
     )
 

@@ -33,7 +33,10 @@ from cluster.loadgen.chaos_report import (
     KillRecord,
     build_report,
     extra_latencies,
+    extra_latency_by_first_cause,
+    recovered_extras,
     recovery_cause,
+    slowest_recoveries,
     timeline_recoveries,
 )
 from cluster.loadgen.metrics import RequestRecord
@@ -293,6 +296,32 @@ def test_extra_latency_is_against_the_same_max_tokens_bucket() -> None:
         _record(_request(4, max_tokens=8), "OK", True, False, (1,), 9.0, _hops(("recompute", 1))),  # no baseline
     ]
     assert sorted(extra_latencies(records)) == pytest.approx([0.5, 2.0])
+
+
+def test_the_slowest_recoveries_show_where_their_time_went() -> None:
+    died = (
+        StateChange("CONTEXT_WAIT", 100.0, "", "kv_aware: cost 3"),
+        StateChange("QUEUED", 100.25, "", "waiting up to 60s for a healthy instance (instance prefill-0 died: restarted)"),
+        StateChange("COMPLETE", 102.0, "", "length"),
+    )
+    expired = _timeline(("GENERATION_INIT", "retry transfer (KV transfer failed: RESERVATION_EXPIRED: lapsed)"))
+    records = [
+        _record(_request(0), "OK", True, False, (1,), 1.0, PD),
+        _record(_request(1), "OK", True, False, (1,), 4.0, _hops(("prefill", 1), ("prefill", 2), ("generation", 1)), died),
+        _record(_request(2), "OK", True, False, (1,), 1.5, _hops(("prefill", 1), ("generation", 2)), expired),
+    ]
+    extras = recovered_extras(records)
+    slowest = slowest_recoveries(extras, count=1)
+    assert [(slow.client_request_id, slow.extra_latency_s) for slow in slowest] == [("soak-1", pytest.approx(3.0))]
+    assert slowest[0].recoveries == (("wait_for_instance", "instance_died"),)
+    assert slowest[0].timeline == (
+        "CONTEXT_WAIT +0 kv_aware: cost 3 | QUEUED +250 waiting up to 60s for a healthy instance (instance prefill-0 died: restarted) | COMPLETE +2000 length"
+    )
+    by_cause = extra_latency_by_first_cause(extras)
+    assert by_cause == {
+        "instance_died": {"count": 1, "p50_s": 3.0, "p95_s": 3.0},
+        "reservation_expired": {"count": 1, "p50_s": 0.5, "p95_s": 0.5},
+    }
 
 
 def test_recovery_details_are_read_from_the_router_timeline() -> None:
