@@ -258,6 +258,10 @@ class HealthConfig(ConfigSection, frozen=True):
     """Seconds between an instance's heartbeats (polls)."""
     dead_after_s: PositiveFloat = 5.0
     """Seconds of silence after which an instance is declared dead; above heartbeat_interval_s."""
+    probe_after_s: PositiveFloat = 0.2
+    """Seconds a poll may run past its wait before the instance is probed (a Ping): a probe that
+    Ray refuses, or that answers from a new incarnation, confirms the suspicion at once (a killed
+    actor's in-flight poll hangs for about 1.5 s before Ray fails it); a slow probe does not."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -288,7 +292,7 @@ class ReserveAt(Enum):
 class HandoverConfig(ConfigSection, frozen=True):
     reserve: ReserveAt = ReserveAt.AT_CONTEXT_START
     """When the generation instance reserves the request's KV blocks."""
-    stall_base_s: PositiveFloat = 2.0
+    stall_base_s: PositiveFloat = 1.0
     """A transfer still uncommitted stall_base_s + its bytes / stall_min_bytes_per_s after the
     request entered TRANSMISSION (at most timeouts.transfer_s) is taken for stalled and recovered:
     a few KB need not wait out a deadline sized for gigabytes."""

@@ -560,7 +560,7 @@ class Router:
         health = self.config.health
         while not self._stopping:
             try:
-                batch = await member.client.poll(self._poll_timeout_s)
+                batch = await self._poll(member)
             except asyncio.CancelledError:
                 raise
             except InstanceUnavailable as error:
@@ -582,6 +582,39 @@ class Router:
             except Exception:  # noqa: BLE001 - nor a bug in handling one batch: the instance would look
                 # healthy forever without ever being polled again.
                 logger.exception("handling a batch from %s failed", member.instance_id)
+
+    async def _poll(self, member: Member) -> PollBatch:
+        """One poll. A poll that runs `probe_after_s` past its wait is a suspicion, and the instance
+        is probed while the poll goes on: a probe that says the instance is gone (Ray reports its
+        actor restarting or dead, or another incarnation answers) ends the poll as dead at once;
+        a slow probe proves nothing, and the poll is awaited as before."""
+        poll = asyncio.ensure_future(member.client.poll(self._poll_timeout_s))
+        probe_call = getattr(member.client, "probe", None)
+        if probe_call is None or member.dead:
+            return await poll
+        health = self.config.health
+        probe: asyncio.Future | None = None
+        try:
+            done, _ = await asyncio.wait({poll}, timeout=self._poll_timeout_s + health.probe_after_s)
+            if done:
+                return poll.result()
+            probe = asyncio.ensure_future(probe_call(max(0.5, health.heartbeat_interval_s), member.info.incarnation))
+            done, _ = await asyncio.wait({poll, probe}, return_when=asyncio.FIRST_COMPLETED)
+            if poll not in done:
+                try:
+                    reason = probe.result()
+                except Exception:  # noqa: BLE001 - a failed probe proves nothing either
+                    logger.debug("probing %s failed", member.instance_id, exc_info=True)
+                    reason = None
+                if reason is not None:
+                    raise InstanceUnavailable(f"{member.instance_id}: a poll overran its wait and {reason}", dead=True)
+            return await poll
+        finally:
+            for task in (poll, probe):
+                if task is not None and not task.done():
+                    task.cancel()
+            if probe is not None and probe.done() and not probe.cancelled():
+                probe.exception()  # retrieved: no "exception never retrieved" warning
 
     async def _on_silence(self, member: Member, reason: str, *, late: bool = True) -> None:
         now = self._clock()

@@ -99,6 +99,10 @@ class InstanceClient(Protocol):
 
     async def drain(self, timeout_s: float) -> int: ...
 
+    # Optional (the router probes only clients that have it):
+    # async def probe(self, timeout_s: float, incarnation: str) -> str | None
+    #     why the instance is known to be gone, or None when nothing says so (a slow answer says nothing)
+
 
 class _InstanceCalls:
     """The InstanceClient methods, each one deadline-bounded `_call` of a typed command; a subclass
@@ -133,6 +137,16 @@ class _InstanceCalls:
 
     async def ping(self) -> str:
         return (await self._call(Ping(), Pong)).incarnation
+
+    async def probe(self, timeout_s: float, incarnation: str) -> str | None:
+        """Why the instance is known to be gone (it refused the Ping, or another incarnation
+        answered it), or None when nothing says so: a Ping that is merely slow proves nothing on a
+        loaded machine."""
+        try:
+            answered = (await self._call(Ping(), Pong, timeout_s=timeout_s)).incarnation
+        except InstanceUnavailable as error:
+            return None if error.late else f"the probe failed: {error}"
+        return None if answered == incarnation else "restarted (another incarnation answers)"
 
     async def submit(self, request: SubmitRequest) -> None:
         await self._call(Submit(request), Ack, timeout_s=CALL_TIMEOUT_S)
@@ -181,6 +195,31 @@ class RayInstanceClient(_InstanceCalls):
             raise InstanceUnavailable(f"{self.instance_id}: {type(error).__name__}", dead=True) from None
         except ray.exceptions.RayTaskError as error:
             raise InstanceUnavailable(f"{self.instance_id}: {name} failed: {error}") from None
+
+
+    async def probe(self, timeout_s: float, incarnation: str) -> str | None:
+        """Ray's own record of the actor first: it knows of a kill or a crash at once, while a call
+        in flight to the dead process hangs for about 1.5 s and calls to a restarting actor wait
+        for the restart."""
+        state = await asyncio.to_thread(ray_actor_state, self.actor)
+        if state in ("RESTARTING", "DEAD"):
+            return f"Ray reports the actor {state}"
+        return await super().probe(timeout_s, incarnation)
+
+
+def ray_actor_state(actor: Any) -> str | None:
+    """The actor's state in Ray's control store ("ALIVE", "RESTARTING", "DEAD", ...), or None when
+    it cannot be read. `ray._private.state.actors` is Ray's own accessor behind `ray list actors`;
+    the public state API needs the dashboard, which a job cluster may not run, so this reads the
+    control store directly and treats any failure as "unknown"."""
+    try:
+        from ray._private import state
+
+        info = state.actors(actor._actor_id.hex())
+    except Exception:  # noqa: BLE001 - a private accessor: unknown rather than wrong
+        return None
+    value = info.get("State") if isinstance(info, dict) else None
+    return value if isinstance(value, str) else None
 
 
 class LocalInstanceClient(_InstanceCalls):

@@ -17,6 +17,7 @@ from cluster_harness import ClusterHarness, await_state
 
 from cluster.client import DuetError
 from cluster.deploy.config import ClusterConfig
+from cluster.router.instance_client import ray_actor_state
 from worker.default_model import margin_corpus
 
 PROMPTS = margin_corpus(0, 16)  # certified free of greedy near-ties for 32 new tokens
@@ -159,7 +160,14 @@ def test_killed_instance_restarts_reregisters_and_serves_again(disagg, ray_clust
     ray = ray_cluster
     deployment = disagg.cluster.deployment
     victim_id = next(iid for iid in deployment.actors if iid.startswith("generation"))
+    # What the router's probe of an overdue poll reads: Ray's record of the actor changes at once.
+    assert ray_actor_state(deployment.actors[victim_id]) == "ALIVE"
     ray.kill(deployment.actors[victim_id], no_restart=False)
+    states = [ray_actor_state(deployment.actors[victim_id])]
+    while states[-1] == "ALIVE" and len(states) < 100:  # ray.kill reaches the control store asynchronously
+        time.sleep(0.02)
+        states.append(ray_actor_state(deployment.actors[victim_id]))
+    assert states[-1] in ("RESTARTING", "DEAD"), states
     deadline = time.monotonic() + 90
     seen_unhealthy = False
     while time.monotonic() < deadline:

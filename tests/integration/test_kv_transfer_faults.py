@@ -217,36 +217,62 @@ def test_source_error_fails_the_push_and_the_receiver_hears_why(receiver, sender
     _assert_still_serving(receiver, sender)
 
 
-def test_a_push_on_a_closed_connection_fails_as_peer_unavailable_and_the_next_reconnects(receiver) -> None:
-    """grpc raises ValueError for a call on a closed channel (a stream's failure, or a cache
-    eviction, closed it under the push): the push returns PEER_UNAVAILABLE instead of raising, and
-    forgets the dead connection so that the next push to that receiver reconnects."""
+def test_a_push_on_a_connection_closed_on_this_side_reconnects_once_and_delivers(receiver) -> None:
+    """grpc raises ValueError for a call on a closed channel (another push's failure or a fault, or
+    a cache eviction, closed the shared connections under this push). The receiver saw nothing of
+    that call, and a real connection loss would leave a channel that reconnects: the push forgets
+    the closed connections, opens fresh ones once, and delivers (the chaos soak saw retried pushes
+    fail on connections another push's fault had just closed)."""
     with KvSender(SENDER_CONFIG) as sender:
-        sender._connect(receiver.address).close()  # cached, and now closed
-        outcome, _, _, _ = _push(receiver, sender, "closed-before-prepare")
-        assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
-        assert "connection closed" in outcome.failure.detail
-        outcome, result, data, source = _push(receiver, sender, "after-reconnect")
+        closed = sender._connect(receiver.address)
+        closed.close()  # cached, and now closed
+        outcome, result, data, source = _push(receiver, sender, "closed-before-prepare")
         assert outcome.ok, outcome.failure
         assert result.events == ("commit",) and data == bytes(source.view)
+        assert sender._connect(receiver.address) is not closed  # the fresh ones are cached
 
 
-def test_a_stream_that_cannot_start_on_a_closed_connection_fails_the_push(receiver, monkeypatch) -> None:
+def _closed_pushes(connections, monkeypatch) -> None:
+    class _ClosedPush:
+        def future(self, *args, **kwargs):
+            raise ValueError("Cannot invoke RPC: Channel closed!")
+
+    monkeypatch.setattr(connections, "pushes", [_ClosedPush() for _ in connections.pushes])
+
+
+def test_a_stream_that_cannot_start_on_a_closed_connection_starts_on_fresh_ones(receiver, monkeypatch) -> None:
     """The race the chaos suite hit: one stream's fault closed the connection while the push was
-    still starting its other streams."""
+    starting its first stream; nothing was sent yet, so the push reconnects once and goes on."""
     with KvSender(SENDER_CONFIG) as sender:
         connections = sender._connect(receiver.address)
+        _closed_pushes(connections, monkeypatch)
+        outcome, result, data, source = _push(receiver, sender, "closed-before-streams")
+        assert outcome.ok, outcome.failure
+        assert result.events == ("commit",) and data == bytes(source.view)
+        assert sender._connect(receiver.address) is not connections
 
-        class _ClosedPush:
-            def future(self, *args, **kwargs):
-                raise ValueError("Cannot invoke RPC: Channel closed!")
 
-        monkeypatch.setattr(connections, "pushes", [_ClosedPush() for _ in connections.pushes])
+def test_a_push_whose_fresh_connections_are_closed_too_fails_as_peer_unavailable(receiver, monkeypatch) -> None:
+    """One reconnect per push: when the fresh connections cannot start a stream either, the push
+    fails as PEER_UNAVAILABLE (never raises), forgets them, and commits nothing."""
+    with KvSender(SENDER_CONFIG) as sender:
+        original_connect = sender._connect
+        handed_out = []
+
+        def connect_closed(target):
+            connections = original_connect(target)
+            _closed_pushes(connections, monkeypatch)
+            handed_out.append(connections)
+            return connections
+
+        monkeypatch.setattr(sender, "_connect", connect_closed)
         transfer_id = new_transfer_id()
-        receiver.expect(transfer_id, "closed-before-streams", LAYOUT, NUM_BLOCKS)
-        outcome = sender.push(receiver.address, transfer_id, "closed-before-streams", _source(), SHORT_DEADLINE_S)
+        receiver.expect(transfer_id, "closed-twice", LAYOUT, NUM_BLOCKS)
+        outcome = sender.push(receiver.address, transfer_id, "closed-twice", _source(), SHORT_DEADLINE_S)
         assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
         assert "connection closed" in outcome.failure.detail and outcome.chunks_sent == 0
-        assert sender._connect(receiver.address) is not connections  # forgotten: the next push reconnects
+        assert len(handed_out) == 2  # the first connections and one reconnect, no more
+        monkeypatch.setattr(sender, "_connect", original_connect)
+        assert sender._connect(receiver.address) is not handed_out[-1]  # forgotten: the next push reconnects
         # Nothing was committed; the receiver's deadline ends the transfer it had opened.
         assert receiver.result(transfer_id, wait_s=SHORT_DEADLINE_S + 5.0).state != "COMMITTED"

@@ -273,6 +273,8 @@ class _PushRun:
         self._read_parts = source.read_parts if isinstance(source, TransferPartsSource) else None
         # Finished stream calls, and None whenever a local failure is set.
         self._done: queue.Queue[grpc.Future | None] = queue.Queue()
+        self._live: _Connections | None = None  # the connections in use (replaced once if closed under us)
+        self._reconnects = 0
         injector = sender._faults
         self.faults = injector.begin_transfer(FaultSide.SENDER, transfer_id, request_id) if injector is not None else None
 
@@ -307,6 +309,7 @@ class _PushRun:
             connections = self.sender._connect(self.target)
         except ValueError as error:
             return TransferFailure(FailureReason.PEER_UNAVAILABLE, f"bad target {self.target!r}: {error}")
+        self._live = connections
         try:
             failure = self._execute(connections)
         finally:
@@ -361,15 +364,21 @@ class _PushRun:
             checksum_algorithms=config.checksum_algorithm_values,
             shm_offer=offer,
         )
-        try:
-            answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
-        except grpc.RpcError as error:
-            failure = self._failure_from_rpc(error)
-            if failure.reason is FailureReason.DEADLINE_EXCEEDED:
-                self._send_abort(connections, failure)  # the receiver may have opened it after all
-            return failure
-        except ValueError as error:  # the channel was closed under us (see _closed_channel)
-            return self._channel_closed(connections, error)
+        while True:
+            try:
+                answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
+                break
+            except grpc.RpcError as error:
+                failure = self._failure_from_rpc(error)
+                if failure.reason is FailureReason.DEADLINE_EXCEEDED:
+                    self._send_abort(connections, failure)  # the receiver may have opened it after all
+                return failure
+            except ValueError as error:  # the channel was closed under us (see _closed_channel)
+                fresh = self._reconnected(connections)
+                if fresh is None:
+                    return self._channel_closed(connections, error)
+                connections = fresh
+                request.timeout_s = self.remaining_s()
 
         # The receiver checked us; now we check the receiver, before any byte moves.
         try:
@@ -409,25 +418,42 @@ class _PushRun:
             failure = self._send_blocks(connections, sent_blocks, ready, chunk_bytes, max_streams)
             if failure is not None:
                 return failure
+            connections = self._live or connections  # _send_blocks may have reconnected
             sent_blocks = ready
 
+        commit = pb.KvCommitRequest(
+            transfer_id=self.transfer_id,
+            request_id=self.request_id,
+            chunks_sent=self.chunks_sent,
+            bytes_sent=self.bytes_sent,
+            output_token_ids=getattr(self.source, "output_token_ids", ()),
+        )
+        while True:
+            try:
+                connections.commit(commit, timeout=max(self.remaining_s(), 0.001), metadata=metadata)
+                return None
+            except grpc.RpcError as error:
+                return self._fail(connections, self._failure_from_rpc(error))
+            except ValueError as error:
+                fresh = self._reconnected(connections)
+                if fresh is None:
+                    return self._fail(connections, self._channel_closed(connections, error))
+                connections = fresh
+
+    def _reconnected(self, closed: _Connections) -> _Connections | None:
+        """Fresh connections to the target in place of `closed`, which were closed on this side (by
+        a fault that dropped them, or the sender closing) before the call could start: the receiver
+        saw nothing of that call, and a real connection loss would not leave a channel that refuses
+        new calls either (gRPC reconnects). Once per push; None when it cannot or may not."""
+        if self._reconnects >= 1 or self.local_failure is not None or self.remaining_s() <= 0:
+            return None
+        self._reconnects += 1
+        self.sender._forget(self.target, closed)
         try:
-            connections.commit(
-                pb.KvCommitRequest(
-                    transfer_id=self.transfer_id,
-                    request_id=self.request_id,
-                    chunks_sent=self.chunks_sent,
-                    bytes_sent=self.bytes_sent,
-                    output_token_ids=getattr(self.source, "output_token_ids", ()),
-                ),
-                timeout=max(self.remaining_s(), 0.001),
-                metadata=metadata,
-            )
-        except grpc.RpcError as error:
-            return self._fail(connections, self._failure_from_rpc(error))
-        except ValueError as error:
-            return self._fail(connections, self._channel_closed(connections, error))
-        return None
+            self._live = self.sender._connect(self.target)
+        except (ValueError, RuntimeError):  # a bad target, or the sender itself closed
+            return None
+        return self._live
 
     def _send_blocks(
         self, connections: _Connections, block_start: int, block_end: int, chunk_bytes: int, max_streams: int
@@ -463,9 +489,19 @@ class _PushRun:
                 call = push.future(
                     self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
                 )
-            except ValueError as error:  # an earlier stream's failure closed the channel meanwhile
-                failure = self.local_failure or self._channel_closed(connections, error)
-                return self._fail(connections, failure, calls)
+            except ValueError as error:  # closed meanwhile (an earlier stream's failure, or another push's)
+                fresh = None if calls else self._reconnected(connections)
+                if fresh is None:
+                    failure = self.local_failure or self._channel_closed(connections, error)
+                    return self._fail(connections, failure, calls)
+                connections = fresh
+                push = connections.pushes[index % len(connections.pushes)]
+                try:
+                    call = push.future(
+                        self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+                    )
+                except ValueError as again:
+                    return self._fail(connections, self.local_failure or self._channel_closed(connections, again), calls)
             call.add_done_callback(done.put)
             calls.append(call)
         failure = self._wait(calls, done)
