@@ -123,7 +123,7 @@ class KvPrepareResponse(_message.Message):
     def __init__(self, layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., expected_num_blocks: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ...) -> None: ...
 
 class KvChunkHeader(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "sequence", "layer_start", "layer_end", "block_start", "block_end", "dtype", "shape", "byte_length", "checksum", "checksum_algorithm", "end_of_stream", "shm")
+    __slots__ = ("transfer_id", "request_id", "sequence", "layer_start", "layer_end", "block_start", "block_end", "dtype", "shape", "byte_length", "checksum", "checksum_algorithm", "end_of_stream", "shm", "commit")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class KvChunkHeader(_message.Message):
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     sequence: int
@@ -152,7 +153,8 @@ class KvChunkHeader(_message.Message):
     checksum_algorithm: ChecksumAlgorithm
     end_of_stream: bool
     shm: KvShmRef
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequence: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., checksum: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., end_of_stream: bool = ..., shm: _Optional[_Union[KvShmRef, _Mapping]] = ...) -> None: ...
+    commit: KvCommitRequest
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sequence: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_length: _Optional[int] = ..., checksum: _Optional[int] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., end_of_stream: bool = ..., shm: _Optional[_Union[KvShmRef, _Mapping]] = ..., commit: _Optional[_Union[KvCommitRequest, _Mapping]] = ...) -> None: ...
 
 class KvShmRef(_message.Message):
     __slots__ = ("offset",)
@@ -169,14 +171,20 @@ class KvChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[KvChunkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class KvPushResponse(_message.Message):
-    __slots__ = ("chunks_accepted", "chunks_duplicate", "bytes_accepted")
+    __slots__ = ("chunks_accepted", "chunks_duplicate", "bytes_accepted", "committed", "chunks_received", "bytes_received")
     CHUNKS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     BYTES_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     chunks_accepted: int
     chunks_duplicate: int
     bytes_accepted: int
-    def __init__(self, chunks_accepted: _Optional[int] = ..., chunks_duplicate: _Optional[int] = ..., bytes_accepted: _Optional[int] = ...) -> None: ...
+    committed: bool
+    chunks_received: int
+    bytes_received: int
+    def __init__(self, chunks_accepted: _Optional[int] = ..., chunks_duplicate: _Optional[int] = ..., bytes_accepted: _Optional[int] = ..., committed: bool = ..., chunks_received: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class KvCommitRequest(_message.Message):
     __slots__ = ("transfer_id", "request_id", "chunks_sent", "bytes_sent", "output_token_ids")

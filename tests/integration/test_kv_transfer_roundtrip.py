@@ -110,3 +110,54 @@ def test_concurrent_pushes_over_one_sender(receiver: ReceiverProcess) -> None:
     for transfer_id, source in zip(transfer_ids, sources, strict=True):
         result, data = receiver.received_bytes(transfer_id)
         assert result.state == "COMMITTED" and data == bytes(source.view)
+
+
+class _WithTokens(LinearKvBuffer):
+    """A source whose request has output tokens for the commit (a prefill's first token, or many
+    after a recovery)."""
+
+    output_token_ids: tuple[int, ...] = ()
+
+
+def _counting_commits(sender: KvSender, address: str, monkeypatch) -> list[int]:
+    """Commit calls the sender makes to `address` (its connections are cached: the push uses them)."""
+    connections = sender._connect(address)
+    calls: list[int] = []
+    real = connections.commit
+
+    def commit(request, **kwargs):
+        calls.append(len(request.output_token_ids))
+        return real(request, **kwargs)
+
+    monkeypatch.setattr(connections, "commit", commit)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("streams", "num_tokens", "commit_calls"),
+    [
+        (1, 1, 0),  # one stream: it carries the commit, no Commit round trip follows
+        (3, 1, 1),  # several streams: a Commit call after the last one ends
+        (1, 2000, 1),  # too many tokens for a chunk header: a Commit call carries them
+    ],
+)
+def test_the_last_lone_stream_carries_the_commit(
+    receiver: ReceiverProcess, monkeypatch, streams: int, num_tokens: int, commit_calls: int
+) -> None:
+    layout = KvLayout(4, 2, 64, 16, "bfloat16", "llama-a")
+    size = layout.run_bytes(layout.num_layers, 7)
+    source = _WithTokens(layout, 7, bytearray(random.Random(streams).randbytes(size)))
+    source.output_token_ids = tuple(range(7, 7 + num_tokens))
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, f"fold-{streams}-{num_tokens}", layout, 7)
+    with KvSender(SenderConfig(num_streams=streams, num_connections=1, max_chunk_bytes=64 * KIB)) as sender:
+        calls = _counting_commits(sender, receiver.address, monkeypatch)
+        outcome = sender.push(
+            receiver.address, transfer_id, f"fold-{streams}-{num_tokens}", source, deadline_s=30.0
+        )
+    assert outcome.ok, outcome.failure
+    assert outcome.num_streams == streams
+    assert calls == [num_tokens] * commit_calls
+    result, data = receiver.received_bytes(transfer_id)
+    assert result.state == "COMMITTED" and result.events == ("commit",)  # committed exactly once
+    assert data == bytes(source.view)

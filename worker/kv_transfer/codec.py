@@ -207,9 +207,13 @@ def make_header(
     )
 
 
-def encode_end_of_stream(transfer_id: str, request_id: str) -> bytes:
-    """The message that ends every Push stream (a stream without it was cut off)."""
-    return encode_chunk(pb.KvChunkHeader(transfer_id=transfer_id, request_id=request_id, end_of_stream=True), b"")
+def encode_end_of_stream(transfer_id: str, request_id: str, commit: pb.KvCommitRequest | None = None) -> bytes:
+    """The message that ends every Push stream (a stream without it was cut off); on the push's last
+    stream it may carry the commit."""
+    header = pb.KvChunkHeader(transfer_id=transfer_id, request_id=request_id, end_of_stream=True)
+    if commit is not None:
+        header.commit.CopyFrom(commit)
+    return encode_chunk(header, b"")
 
 
 def chunk_shape(layout: KvLayout, num_layers: int, num_blocks: int) -> list[int]:

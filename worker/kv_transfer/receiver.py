@@ -357,6 +357,7 @@ class KvTransferServer:
     def _push(self, request_iterator: Any, context: grpc.ServicerContext) -> pb.KvPushResponse:
         failure: TransferFailure | None = None
         ended_transfer: _Ended | None = None
+        commit: pb.KvCommitRequest | None = None  # carried by the end-of-stream marker of a push's last stream
         accepted = duplicates = 0
         accepted_bytes = 0
         # The stream names its transfer up front, so the transfer hears of a stream that breaks
@@ -387,6 +388,8 @@ class KvTransferServer:
                     if len(chunk.data):
                         failure = _protocol_error("the end-of-stream marker carries no data")
                         break
+                    if header.HasField("commit"):
+                        commit = header.commit
                     ended = True
                     continue
                 result = self._handle_chunk(record, chunk)
@@ -421,7 +424,21 @@ class KvTransferServer:
             # Failed before this stream's chunks or beside them (an Abort, another stream, the
             # deadline): not this stream's doing, so the transfer's state refuses it.
             _abort(context, record.failure, grpc.StatusCode.FAILED_PRECONDITION)
-        return pb.KvPushResponse(chunks_accepted=accepted, chunks_duplicate=duplicates, bytes_accepted=accepted_bytes)
+        response = pb.KvPushResponse(chunks_accepted=accepted, chunks_duplicate=duplicates, bytes_accepted=accepted_bytes)
+        if commit is not None:
+            # The push's last stream carried the commit: the same checks as a Commit call, without
+            # the round trip after the stream.
+            if commit.transfer_id != record.transfer_id or commit.request_id != record.request_id:
+                _abort(context, _protocol_error("a stream's commit names another transfer"))
+            try:
+                receipt = self._registry.commit(record, commit.chunks_sent, commit.bytes_sent, tuple(commit.output_token_ids))
+            except TransferRejected as rejected:
+                _abort(context, rejected.failure)
+            logger.debug("committed transfer %s with its last stream (%d bytes)", record.transfer_id, receipt.bytes_received)
+            response.committed = True
+            response.chunks_received = receipt.chunks_received
+            response.bytes_received = receipt.bytes_received
+        return response
 
     def _cut_off(self, record: TransferRecord, context: grpc.ServicerContext) -> TransferFailure:
         remaining_s = context.time_remaining()

@@ -274,6 +274,7 @@ class _PushRun:
         # Finished stream calls, and None whenever a local failure is set.
         self._done: queue.Queue[grpc.Future | None] = queue.Queue()
         self._live: _Connections | None = None  # the connections in use (replaced once if closed under us)
+        self.committed_with_stream = False  # the last stream carried the commit and the receiver committed
         self._reconnects = 0
         injector = sender._faults
         self.faults = injector.begin_transfer(FaultSide.SENDER, transfer_id, request_id) if injector is not None else None
@@ -415,19 +416,15 @@ class _PushRun:
                 return self._fail(connections, TransferFailure(FailureReason.CANCELLED, "the sender gave up its KV"))
             if ready <= sent_blocks:
                 return self._fail(connections, TransferFailure(FailureReason.DEADLINE_EXCEEDED, "the KV was not final in time"))
-            failure = self._send_blocks(connections, sent_blocks, ready, chunk_bytes, max_streams)
+            failure = self._send_blocks(connections, sent_blocks, ready, chunk_bytes, max_streams, last=ready >= source.num_blocks)
             if failure is not None:
                 return failure
             connections = self._live or connections  # _send_blocks may have reconnected
             sent_blocks = ready
+        if self.committed_with_stream:
+            return None
 
-        commit = pb.KvCommitRequest(
-            transfer_id=self.transfer_id,
-            request_id=self.request_id,
-            chunks_sent=self.chunks_sent,
-            bytes_sent=self.bytes_sent,
-            output_token_ids=getattr(self.source, "output_token_ids", ()),
-        )
+        commit = self._commit_request()
         while True:
             try:
                 connections.commit(commit, timeout=max(self.remaining_s(), 0.001), metadata=metadata)
@@ -455,11 +452,22 @@ class _PushRun:
             return None
         return self._live
 
+    def _commit_request(self) -> pb.KvCommitRequest:
+        return pb.KvCommitRequest(
+            transfer_id=self.transfer_id,
+            request_id=self.request_id,
+            chunks_sent=self.chunks_sent,
+            bytes_sent=self.bytes_sent,
+            output_token_ids=getattr(self.source, "output_token_ids", ()),
+        )
+
     def _send_blocks(
-        self, connections: _Connections, block_start: int, block_end: int, chunk_bytes: int, max_streams: int
+        self, connections: _Connections, block_start: int, block_end: int, chunk_bytes: int, max_streams: int, *, last: bool = False
     ) -> TransferFailure | None:
         """Send blocks [block_start, block_end) over up to `max_streams` streams and wait for them
-        (None: every stream finished; otherwise the push has failed and is cleaned up)."""
+        (None: every stream finished; otherwise the push has failed and is cleaned up). `last`: the
+        push's last blocks; sent on one stream, that stream carries the commit (its response says
+        whether the receiver committed: `committed_with_stream`)."""
         metadata = self.sender._metadata
         source = self.source
         try:
@@ -476,6 +484,9 @@ class _PushRun:
                 self._shm_next_offset += spec.size_bytes(source.layout)
         streams = assign_streams(chunks, max_streams)
         self.num_streams = max(self.num_streams, len(streams))
+        # Only a lone stream can carry the commit: with several, the receiver could see the commit
+        # before another stream's chunks.
+        commit_with = last and len(streams) == 1
         done = self._done
         calls = []
         for index, stream_chunks in enumerate(streams):
@@ -487,7 +498,7 @@ class _PushRun:
             )
             try:
                 call = push.future(
-                    self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+                    self._frames(stream_chunks, commit=commit_with), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
                 )
             except ValueError as error:  # closed meanwhile (an earlier stream's failure, or another push's)
                 fresh = None if calls else self._reconnected(connections)
@@ -498,7 +509,7 @@ class _PushRun:
                 push = connections.pushes[index % len(connections.pushes)]
                 try:
                     call = push.future(
-                        self._frames(stream_chunks), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+                        self._frames(stream_chunks, commit=commit_with), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
                     )
                 except ValueError as again:
                     return self._fail(connections, self.local_failure or self._channel_closed(connections, again), calls)
@@ -507,6 +518,8 @@ class _PushRun:
         failure = self._wait(calls, done)
         if failure is not None:
             return self._fail(connections, failure, calls)
+        if commit_with:
+            self.committed_with_stream = calls[0].result().committed
         return None
 
     def _wait(self, calls: list[grpc.Future], done: queue.Queue[grpc.Future | None]) -> TransferFailure | None:
@@ -601,8 +614,9 @@ class _PushRun:
                 self._shm_writers -= 1
                 self._shm_cond.notify_all()
 
-    def _frames(self, chunks: tuple[ChunkSpec, ...]) -> Iterator[bytes]:
-        """The encoded chunks of one stream, with the sender-side faults applied. Runs in a gRPC
+    def _frames(self, chunks: tuple[ChunkSpec, ...], *, commit: bool = False) -> Iterator[bytes]:
+        """The encoded chunks of one stream, with the sender-side faults applied, and its
+        end-of-stream marker (with the commit when `commit` and it fits a header). Runs in a gRPC
         thread: it never raises (a source error becomes the push's local failure and ends the stream)."""
         source = self.source
         layout = source.layout
@@ -674,7 +688,10 @@ class _PushRun:
                 held = None
         if held is not None:
             yield held
-        yield codec.encode_end_of_stream(self.transfer_id, self.request_id)
+        request = self._commit_request() if commit else None
+        if request is not None and request.ByteSize() > codec.MAX_HEADER_BYTES // 2:
+            request = None  # many output tokens (a recovered request): a Commit call carries them
+        yield codec.encode_end_of_stream(self.transfer_id, self.request_id, request)
 
 
 
