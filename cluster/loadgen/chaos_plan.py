@@ -286,10 +286,13 @@ def kill_schedule(
 
 def _router_settings() -> dict[str, Any]:
     # Fast health bounds and short stage timeouts, so that a stall or a kill costs seconds and the
-    # soak exercises every recovery action.
+    # soak exercises every recovery action. A transfer's stall bound of 1 s + its bytes at 50 MB/s:
+    # the soak's transfers are a few KB, which a healthy path moves in milliseconds even on a
+    # loaded machine (the default 2 s leaves room for a SIGSTOP of a third of the health bound).
     return {
         "health": {"heartbeat_interval_s": 0.25, "dead_after_s": 3.0},
         "timeouts": {"context_s": 60.0, "reservation_s": 10.0, "transfer_s": 6.0, "generation_s": 60.0},
+        "handover": {"stall_base_s": 1.0},
     }
 
 

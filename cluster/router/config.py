@@ -292,7 +292,7 @@ class ReserveAt(Enum):
 class HandoverConfig(ConfigSection, frozen=True):
     reserve: ReserveAt = ReserveAt.AT_CONTEXT_START
     """When the generation instance reserves the request's KV blocks."""
-    stall_base_s: PositiveFloat = 1.0
+    stall_base_s: PositiveFloat = 2.0
     """A transfer still uncommitted stall_base_s + its bytes / stall_min_bytes_per_s after the
     request entered TRANSMISSION (at most timeouts.transfer_s) is taken for stalled and recovered:
     a few KB need not wait out a deadline sized for gigabytes."""

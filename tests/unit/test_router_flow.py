@@ -566,12 +566,12 @@ def test_an_abort_stops_every_live_hop_then_finishes(state: GlobalState, route: 
 
 def test_a_small_transfer_that_stalls_is_retried_at_the_speed_of_its_size() -> None:
     """TRANSMISSION's bound is handover.stall_base_s + bytes / stall_min_bytes_per_s (at most
-    timeouts.transfer_s): one block of KV stalled is retried after about a second (the default
+    timeouts.transfer_s): one block of KV stalled is retried after about two seconds (the default
     base), not after the 10 s transfer deadline."""
     run = to_state(S.TRANSMISSION)
     generation = run.hop(Phase.GENERATION)
     assert generation.reserved_bytes == LAYOUT.run_bytes(LAYOUT.num_layers, 1)
-    bound_s = 1.0 + generation.reserved_bytes / 50e6
+    bound_s = 2.0 + generation.reserved_bytes / 50e6
     entered = run.now
     assert run.apply(lambda f, t, fl: f.on_tick(entered + bound_s - 0.01, fl)) == []
     out = run.apply(lambda f, t, fl: f.on_tick(entered + bound_s + 0.001, fl))
