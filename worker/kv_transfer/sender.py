@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -57,6 +57,12 @@ _ABORT = f"/{SERVICE_NAME}/Abort"
 MAX_CACHED_TARGETS = 64
 # Extra wait for stream results beyond the deadline before giving up on a wedged call.
 _WAIT_MARGIN_S = 2.0
+
+
+# How a stream's frames ended (_PushRun._frames).
+_SENT = "sent"
+_TRUNCATED = "truncated"
+_STOPPED = "stopped"
 
 
 def _identity(frame: bytes) -> bytes:
@@ -406,21 +412,19 @@ class _PushRun:
             if offer is not None:
                 connections.shm_declined = True
             self._release_segment()
-        # A streaming source (StreamingTransferSource) hands out its blocks as they become final:
-        # each part is sent as soon as it is ready, and the commit follows the last one.
-        wait_ready = source.wait_ready if isinstance(source, StreamingTransferSource) else None
-        sent_blocks = 0
-        while sent_blocks < source.num_blocks:
-            ready = source.num_blocks if wait_ready is None else wait_ready(sent_blocks, max(self.remaining_s(), 0.0))
-            if ready < 0:
-                return self._fail(connections, TransferFailure(FailureReason.CANCELLED, "the sender gave up its KV"))
-            if ready <= sent_blocks:
-                return self._fail(connections, TransferFailure(FailureReason.DEADLINE_EXCEEDED, "the KV was not final in time"))
-            failure = self._send_blocks(connections, sent_blocks, ready, chunk_bytes, max_streams, last=ready >= source.num_blocks)
-            if failure is not None:
-                return failure
-            connections = self._live or connections  # _send_blocks may have reconnected
-            sent_blocks = ready
+        # A streaming source (StreamingTransferSource) whose blocks are not all final yet (a context
+        # still computing) goes over one stream opened now: each part is sent the moment it is
+        # final, and the commit rides with the last, so the tail pays neither a stream set-up nor a
+        # round trip. A source final from the start is spread over up to max_streams streams.
+        streaming = isinstance(source, StreamingTransferSource) and source.wait_ready(0, 0.0) < source.num_blocks
+        if streaming:
+            self.num_streams = 1
+            failure = self._run_streams(connections, [self._streamed_frames(chunk_bytes)], commit_with=True)
+        else:
+            failure = self._send_blocks(connections, 0, source.num_blocks, chunk_bytes, max_streams)
+        if failure is not None:
+            return failure
+        connections = self._live or connections  # the streams may have reconnected
         if self.committed_with_stream:
             return None
 
@@ -461,44 +465,54 @@ class _PushRun:
             output_token_ids=getattr(self.source, "output_token_ids", ()),
         )
 
-    def _send_blocks(
-        self, connections: _Connections, block_start: int, block_end: int, chunk_bytes: int, max_streams: int, *, last: bool = False
-    ) -> TransferFailure | None:
-        """Send blocks [block_start, block_end) over up to `max_streams` streams and wait for them
-        (None: every stream finished; otherwise the push has failed and is cleaned up). `last`: the
-        push's last blocks; sent on one stream, that stream carries the commit (its response says
-        whether the receiver committed: `committed_with_stream`)."""
-        metadata = self.sender._metadata
+    def _plan(self, block_start: int, block_end: int, chunk_bytes: int) -> tuple[ChunkSpec, ...] | TransferFailure:
+        """The chunks of blocks [block_start, block_end), numbered after the ones planned before (and
+        placed after them in the shared-memory segment, which is sized for the whole KV)."""
         source = self.source
         try:
             chunks = plan_chunks(
                 source.layout, block_end - block_start, chunk_bytes, first_block=block_start, first_sequence=self._next_sequence
             )
         except ChunkPlanError as error:
-            return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, str(error)))
+            return TransferFailure(FailureReason.INCOMPATIBLE, str(error))
         self._next_sequence += len(chunks)
         if self.data_plane == "shm":
-            # Parts of a streamed push follow each other in the segment (sized for the whole KV).
             for spec in chunks:
                 self._shm_offsets[spec.sequence] = self._shm_next_offset
                 self._shm_next_offset += spec.size_bytes(source.layout)
+        return chunks
+
+    def _send_blocks(
+        self, connections: _Connections, block_start: int, block_end: int, chunk_bytes: int, max_streams: int
+    ) -> TransferFailure | None:
+        """Send blocks [block_start, block_end), the push's last, over up to `max_streams` streams and
+        wait for them (None: every stream finished; otherwise the push has failed and is cleaned up).
+        Sent on one stream, that stream carries the commit."""
+        chunks = self._plan(block_start, block_end, chunk_bytes)
+        if isinstance(chunks, TransferFailure):
+            return self._fail(connections, chunks)
         streams = assign_streams(chunks, max_streams)
         self.num_streams = max(self.num_streams, len(streams))
         # Only a lone stream can carry the commit: with several, the receiver could see the commit
         # before another stream's chunks.
-        commit_with = last and len(streams) == 1
+        commit_with = len(streams) == 1
+        return self._run_streams(connections, [self._frames(c, commit=commit_with) for c in streams], commit_with=commit_with)
+
+    def _run_streams(self, connections: _Connections, frames: list[Iterator[bytes]], *, commit_with: bool) -> TransferFailure | None:
+        """Run one Push stream per frame iterator and wait for them all (None: every stream finished;
+        otherwise the push has failed and is cleaned up). `commit_with`: the one stream carries the
+        commit, and its response says whether the receiver committed (`committed_with_stream`)."""
+        metadata = (
+            *self.sender._metadata,
+            (TRANSFER_ID_METADATA_KEY, self.transfer_id),
+            (REQUEST_ID_METADATA_KEY, self.request_id),
+        )
         done = self._done
         calls = []
-        for index, stream_chunks in enumerate(streams):
-            push = connections.pushes[index % len(connections.pushes)]
-            stream_metadata = (
-                *metadata,
-                (TRANSFER_ID_METADATA_KEY, self.transfer_id),
-                (REQUEST_ID_METADATA_KEY, self.request_id),
-            )
+        for index, stream_frames in enumerate(frames):
             try:
-                call = push.future(
-                    self._frames(stream_chunks, commit=commit_with), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+                call = connections.pushes[index % len(connections.pushes)].future(
+                    stream_frames, timeout=max(self.remaining_s(), 0.001), metadata=metadata
                 )
             except ValueError as error:  # closed meanwhile (an earlier stream's failure, or another push's)
                 fresh = None if calls else self._reconnected(connections)
@@ -506,10 +520,9 @@ class _PushRun:
                     failure = self.local_failure or self._channel_closed(connections, error)
                     return self._fail(connections, failure, calls)
                 connections = fresh
-                push = connections.pushes[index % len(connections.pushes)]
-                try:
-                    call = push.future(
-                        self._frames(stream_chunks, commit=commit_with), timeout=max(self.remaining_s(), 0.001), metadata=stream_metadata
+                try:  # gRPC has not consumed the iterator of a call that could not start
+                    call = connections.pushes[index % len(connections.pushes)].future(
+                        stream_frames, timeout=max(self.remaining_s(), 0.001), metadata=metadata
                     )
                 except ValueError as again:
                     return self._fail(connections, self.local_failure or self._channel_closed(connections, again), calls)
@@ -614,35 +627,77 @@ class _PushRun:
                 self._shm_writers -= 1
                 self._shm_cond.notify_all()
 
-    def _frames(self, chunks: tuple[ChunkSpec, ...], *, commit: bool = False) -> Iterator[bytes]:
-        """The encoded chunks of one stream, with the sender-side faults applied, and its
-        end-of-stream marker (with the commit when `commit` and it fits a header). Runs in a gRPC
-        thread: it never raises (a source error becomes the push's local failure and ends the stream)."""
+    def _streamed_frames(self, chunk_bytes: int) -> Generator[bytes, None, None]:
+        """The one stream of a push whose blocks become final while its context computes: each part
+        as soon as the source has it, then the end-of-stream marker with the commit. Runs in a gRPC
+        thread and never raises: a source given up, a deadline or a plan error becomes the push's
+        local failure, and the stream is held open until the push has told the receiver (Abort)."""
+        source = self.source
+        sent_blocks = 0
+        while sent_blocks < source.num_blocks:
+            ready = source.wait_ready(sent_blocks, max(self.remaining_s(), 0.0))
+            if self.finished.is_set():
+                return
+            problem: TransferFailure | None = None
+            if ready < 0:
+                problem = TransferFailure(FailureReason.CANCELLED, "the sender gave up its KV")
+            elif ready <= sent_blocks:
+                problem = TransferFailure(FailureReason.DEADLINE_EXCEEDED, "the KV was not final in time")
+            else:
+                chunks = self._plan(sent_blocks, ready, chunk_bytes)
+                if isinstance(chunks, TransferFailure):
+                    problem = chunks
+            if problem is not None:
+                self._set_local_failure(problem)
+                self.finished.wait(max(self.remaining_s(), 0.0))
+                return
+            ended = yield from self._frames(chunks, end=False)
+            if ended == _STOPPED:
+                return
+            sent_blocks = ready
+            if ended == _TRUNCATED:
+                break  # a clean, early end: the marker follows, and the commit finds the gap
+        yield self._end_of_stream(commit=True)
+
+    def _end_of_stream(self, *, commit: bool) -> bytes:
+        request = self._commit_request() if commit else None
+        if request is not None and request.ByteSize() > codec.MAX_HEADER_BYTES // 2:
+            request = None  # many output tokens (a recovered request): a Commit call carries them
+        return codec.encode_end_of_stream(self.transfer_id, self.request_id, request)
+
+    def _frames(self, chunks: tuple[ChunkSpec, ...], *, commit: bool = False, end: bool = True) -> Generator[bytes, None, str]:
+        """The encoded chunks of one stream, with the sender-side faults applied, and (`end`) its
+        end-of-stream marker, with the commit when `commit` and it fits a header. Returns how it
+        ended: _SENT, _TRUNCATED (a fault ended the stream cleanly) or _STOPPED (the stream must be
+        cut: the push ended or failed). Runs in a gRPC thread: it never raises (a source error
+        becomes the push's local failure and ends the stream)."""
         source = self.source
         layout = source.layout
         held: bytes | None = None
         faults = self.faults
+        ended = _SENT
         for spec in chunks:
             if self.finished.is_set():
-                return
+                return _STOPPED
             chunk_faults = faults.on_chunk(spec.sequence) if faults is not None else NO_CHUNK_FAULTS
             if chunk_faults is not NO_CHUNK_FAULTS:
                 if chunk_faults.kill:
                     assert self.sender._faults is not None
                     self.sender._faults.kill()
                 if chunk_faults.delay_s and self.finished.wait(chunk_faults.delay_s):
-                    return
+                    return _STOPPED
                 if chunk_faults.stall:
                     self.finished.wait(max(self.remaining_s(), 0.0) + chunk_faults.stall_extra_s)
-                    return
+                    return _STOPPED
                 if chunk_faults.close:
                     self._set_local_failure(
                         TransferFailure(FailureReason.PEER_UNAVAILABLE, "connection closed mid-stream (fault injection)"),
                         skip_abort=True,
                     )
                     self.sender.drop_connections(self.target)
-                    return
+                    return _STOPPED
                 if chunk_faults.truncate:
+                    ended = _TRUNCATED
                     break  # a clean, early end: the end-of-stream marker still follows
                 if chunk_faults.drop:
                     continue
@@ -657,12 +712,12 @@ class _PushRun:
                 # Hold the stream open until the push has told the receiver why (Abort), so the
                 # receiver records INTERNAL rather than a cut-off stream.
                 self.finished.wait(max(self.remaining_s(), 0.0))
-                return
+                return _STOPPED
             if self.data_plane == "shm":
                 offset = self._shm_offsets[spec.sequence]
                 data_checksum = self._write_shm(offset, parts, size_bytes, corrupt=chunk_faults.corrupt)
                 if data_checksum is None:
-                    return
+                    return _STOPPED
                 header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
                 header.shm.offset = offset
                 frame = codec.encode_chunk(header, b"")
@@ -688,10 +743,9 @@ class _PushRun:
                 held = None
         if held is not None:
             yield held
-        request = self._commit_request() if commit else None
-        if request is not None and request.ByteSize() > codec.MAX_HEADER_BYTES // 2:
-            request = None  # many output tokens (a recovered request): a Commit call carries them
-        yield codec.encode_end_of_stream(self.transfer_id, self.request_id, request)
+        if end:
+            yield self._end_of_stream(commit=commit)
+        return ended
 
 
 
