@@ -15,6 +15,13 @@ overlap) and "max" for roofline ones (a GPU step is bound by compute or by memor
 weights' read being in `overhead_s`). A KV hand-over costs `handover_fixed_s` of control path
 (Prepare and Commit round trips) plus the link's time for `kv_bytes_per_token` x its tokens
 (cluster/sim/link.py).
+
+A profile measured as deployed (`duet profile --deployed`, cluster/sim/deployed.py) also carries
+the control path it measured around the steps: `rpc_latency_s`, a router-to-instance call's one-way
+latency (half the median Ray actor call round trip from the router's event loop, under the
+calibration load), and `frontend_latency_s`, the gRPC front end's one-way latency per message (half
+the median health-check round trip from the load's client, under that load). None: not measured;
+the simulation's own settings apply (cluster/sim/cluster.py SimSettings).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class StepProfile:
     handover_fixed_s: float
     kv_bytes_per_token: int
     combine: str = "sum"  # "sum" or "max" (see the module docstring)
+    rpc_latency_s: float | None = None  # seconds, one way, as deployed (the module docstring); None: not measured
+    frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
     notes: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # how it was measured: samples, residuals
 
@@ -58,6 +67,10 @@ class StepProfile:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ProfileError(f"{name}: a number >= 0, got {value!r}")
+        for name in ("rpc_latency_s", "frontend_latency_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise ProfileError(f"{name}: a number >= 0 or null, got {value!r}")
         if not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token <= 0:
             raise ProfileError(f"kv_bytes_per_token: a positive integer, got {self.kv_bytes_per_token!r}")
 
