@@ -1,0 +1,289 @@
+"""A step-time profile measured as deployed: the instances' own steps while a real cluster serves.
+
+`duet profile` (worker/profiler.py) times the engine in one process with the cores to itself. A
+served instance does not run like that: it is a Ray actor (`num_cpus`, `torch_threads` of its
+group) that shares the host's cores with the other instances, the router, the front end and the
+client, and answers the router's calls on its own threads between and during steps. On a small
+shared host its steps are slower and less regular than the profiler's, and the calls and the
+hand-over around them cost more (bench/sim_validation.py measured both). So `duet profile
+--deployed` measures the deployment instead:
+
+1. It deploys the cluster configuration (by default the one bench/sim_validation.py validates:
+   1 PREFILL + 1 GENERATION, built-in model, `num_cpus` 0.5, `torch_threads` 1 on a 2-CPU Ray)
+   with `step_log_dir` set, so that every instance logs each engine step it runs (its batch, and
+   the seconds from the step's start until its outputs were handed on: worker/profiler.py StepLog),
+   and the front end's timeline log.
+2. It serves a calibration load through the gRPC client, as `duet bench` does: prompts of 32 to
+   1,024 tokens with few outputs, and short prompts with long outputs at 2 to 24 requests at once
+   (CALIBRATION; not the workloads bench/sim_validation.py compares).
+3. Meanwhile it probes the control path: a Ray call (Ping) to each instance from the router's event
+   loop, and a gRPC health check from the load's client, every PROBE_INTERVAL_S.
+4. It fits the step model to the logged steps (worker/profiler.py `fit(mean=True)`: the mean step
+   of each shape, slow steps included, since a queue waits for those too). The control path:
+   `rpc_latency_s` = half the median Ping round trip, `frontend_latency_s` = half the median health
+   round trip, and `handover_fixed_s` = the median time from TRANSMISSION to GENERATING in the
+   router's timelines (what the simulator's hand-over spans) less the link model's time for the
+   request's KV bytes.
+
+The profile's `fit` records all of it: the configuration, the load, the probes' percentiles, the
+host's load average before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind
+from cluster.sim.capacity import cluster_rps
+from cluster.sim.link import DATA_PLANES
+from cluster.sim.profile import StepProfile
+from worker.protocol import InstanceRole
+
+PROBE_INTERVAL_S = 0.05
+HANDOVER_PLANE = "grpc-loopback"  # the link model whose time the hand-over's control path excludes
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """`num_requests` fixed-shape requests: `concurrency` at once (the first pass), or Poisson
+    arrivals at `load` x the cluster's capacity as the first pass's fit estimates it (the second)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    num_requests: int
+    concurrency: int | None = None
+    load: float | None = None
+
+
+# First pass: every shape, from one request alone to a full decode batch; fitted only to aim the
+# second. Second pass: Poisson loads at 70 % of that capacity, whose steps the profile is fitted to
+# (how much the processes of a small host slow each other depends on how busy they are: a profile
+# measured at saturation is too slow for a cluster run below it, one measured alone too fast).
+FIRST_PASS = (
+    CalibrationPoint(32, 2, 6, concurrency=1),
+    CalibrationPoint(128, 2, 6, concurrency=1),
+    CalibrationPoint(384, 2, 8, concurrency=2),
+    CalibrationPoint(1024, 2, 6, concurrency=2),
+    CalibrationPoint(64, 48, 8, concurrency=2),
+    CalibrationPoint(64, 48, 24, concurrency=8),
+    CalibrationPoint(96, 32, 48, concurrency=24),
+)
+SECOND_PASS = (
+    CalibrationPoint(384, 8, 48, load=0.7),
+    CalibrationPoint(192, 24, 48, load=0.7),
+    CalibrationPoint(96, 48, 48, load=0.7),
+)
+QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(512, 2, 4, concurrency=2), CalibrationPoint(48, 16, 8, concurrency=4))
+QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
+
+
+def default_config() -> ClusterConfig:
+    """The cluster bench/sim_validation.py runs as 1p1g."""
+    return ClusterConfig.from_dict({
+        "dtype": "float32", "device": "cpu",
+        "instances": [
+            {"role": "PREFILL", "count": 1, "num_cpus": 0.5, "torch_threads": 1},
+            {"role": "GENERATION", "count": 1, "num_cpus": 0.5, "torch_threads": 1},
+        ],
+        "engine": {"num_blocks": 1024, "tokens_per_block": 16, "max_num_tokens": 512, "chunk_unit_tokens": 256,
+                   "max_num_requests": 32, "max_batch_size": 32},
+        "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
+        "ray": {"num_cpus": 2},
+        "seed": 0,
+    })
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {"n": len(ordered), "p10": ordered[len(ordered) // 10], "p50": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))]}
+
+
+async def _probe(call: Callable[[], Any], out: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    """(wall-clock time, round trip seconds) of `call`, every PROBE_INTERVAL_S until `stop`."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        started = loop.time()
+        try:
+            await call()
+        except Exception:  # noqa: BLE001 - a failed probe is no sample
+            pass
+        else:
+            out.append((time.time(), loop.time() - started))
+        try:
+            await asyncio.wait_for(stop.wait(), PROBE_INTERVAL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+def _handover_seconds(timeline_path: Path, tokens_per_block: int, kv_bytes_per_token: int, since_s: float) -> list[float]:
+    """Per disaggregated request admitted at or after wall-clock `since_s`: TRANSMISSION to
+    GENERATING in the router's timeline, less the link model's time for its KV bytes."""
+    link = DATA_PLANES[HANDOVER_PLANE]
+    out = []
+    if not timeline_path.exists():
+        return out
+    for line in timeline_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        times = {entry["state"]: entry["time_s"] for entry in record.get("timeline", ())}
+        if "TRANSMISSION" not in times or "GENERATING" not in times or times.get("QUEUED", 0.0) < since_s:
+            continue
+        prompt = record.get("usage", {}).get("prompt_tokens", 0)
+        num_bytes = math.ceil(prompt / tokens_per_block) * tokens_per_block * kv_bytes_per_token
+        out.append(max(0.0, times["GENERATING"] - times["TRANSMISSION"] - link.transfer_s(num_bytes)))
+    return out
+
+
+def measure_deployed(
+    config: ClusterConfig | None = None,
+    *,
+    name: str,
+    quick: bool = False,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Deploy `config`, serve the calibration load, and return the fitted profile document."""
+    from cluster.cli.bench import BenchSettings, run_points
+    from cluster.client.sdk import AsyncDuetClient
+    from cluster.deploy.embedded import BackgroundCluster
+    from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
+    from cluster.loadgen.metrics import Slo
+    from cluster.loadgen.runner import SamplingSpec
+    from cluster.router.instance_client import RayInstanceClient
+    from worker.profiler import fit, read_step_logs
+
+    config = config or default_config()
+    first_pass, second_pass = (QUICK_FIRST_PASS, QUICK_SECOND_PASS) if quick else (FIRST_PASS, SECOND_PASS)
+    engine = config.engine_config(config.instances[0])
+    counts = {role: sum(g.count for g in config.instances if g.role is role) for role in InstanceRole}
+    load_before = _load_average()
+    rpc_rtts: list[tuple[float, float]] = []
+    frontend_rtts: list[tuple[float, float]] = []
+    with tempfile.TemporaryDirectory(prefix="duet-profile-") as tmp:
+        steps_dir = Path(tmp) / "steps"
+        timeline_path = Path(tmp) / "timelines.jsonl"
+        deployed = msgspec.structs.replace(
+            config, step_log_dir=str(steps_dir), frontend=msgspec.structs.replace(config.frontend, timeline_log=str(timeline_path))
+        )
+        progress("deploying the cluster ...")
+        with BackgroundCluster(deployed) as cluster:
+            clients = [RayInstanceClient(iid, actor) for iid, actor in cluster.deployment.actors.items()]
+            stop_rpc = asyncio.Event()
+
+            async def rpc_probe() -> None:
+                await asyncio.gather(*(_probe(client.ping, rpc_rtts, stop_rpc) for client in clients))
+
+            rpc_future = asyncio.run_coroutine_threadsafe(rpc_probe(), cluster.loop)
+
+            async def serve(points: tuple[CalibrationPoint, ...], provisional: StepProfile | None, tag: str) -> None:
+                stop = asyncio.Event()
+                client = AsyncDuetClient(cluster.target)
+                probe = asyncio.ensure_future(_probe(client.health, frontend_rtts, stop))
+                try:
+                    for index, point in enumerate(points):
+                        workload = WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=point.num_requests,
+                                                  input_len=point.prompt_tokens, output_len=point.output_tokens)
+                        if point.concurrency is not None:
+                            arrivals: Any = FixedConcurrency(point.concurrency)
+                        else:
+                            assert provisional is not None and point.load is not None
+                            capacity = cluster_rps(
+                                provisional, engine, num_prefill=counts[InstanceRole.PREFILL], num_generation=counts[InstanceRole.GENERATION],
+                                num_mixed=counts[InstanceRole.MIXED], mean_prompt_tokens=point.prompt_tokens, mean_output_tokens=point.output_tokens,
+                            )
+                            arrivals = PoissonArrivals(point.load * capacity)
+                        progress(f"{tag} {index + 1}/{len(points)}: {point.prompt_tokens} prompt / {point.output_tokens} output tokens, {arrivals.label}")
+                        settings = BenchSettings(
+                            workload=workload, points=(arrivals,), slo=Slo(), sampling=SamplingSpec(),
+                            warmup=2 if index == 0 and provisional is None else 0, seed=index, out_dir=Path("."), plots=False, progress=False,
+                        )
+                        await run_points(cluster.target, {}, settings, None)
+                finally:
+                    stop.set()
+                    await probe
+                    await client.close()
+
+            try:
+                asyncio.run(serve(first_pass, None, "first pass"))
+                layout = cluster.run(clients[0].get_info()).layout
+                kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
+                first_samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")))
+                if len(first_samples) < 8:
+                    raise RuntimeError(f"the deployment logged {len(first_samples)} steps in the first pass; too few to fit")
+                coefficients_first, _ = fit(first_samples, trim_fraction=0.0, mean=True)
+                provisional = StepProfile(
+                    "provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients_first
+                )
+                second_s = time.time()
+                asyncio.run(serve(second_pass, provisional, "second pass"))
+            finally:
+                cluster.loop.call_soon_threadsafe(stop_rpc.set)
+                rpc_future.result(timeout=30)
+        samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=second_s)
+        handovers = _handover_seconds(timeline_path, engine.tokens_per_block, kv_bytes_per_token, second_s)
+    if len(samples) < 8:
+        raise RuntimeError(f"the deployment logged {len(samples)} steps; too few to fit")
+    coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
+    rpc = _percentiles([rtt for at, rtt in rpc_rtts if at >= second_s])
+    frontend = _percentiles([rtt for at, rtt in frontend_rtts if at >= second_s])
+    handover = _percentiles(handovers)
+    groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
+    return {
+        "format": "duet.step_profile.v1",
+        "name": name,
+        "source": "measured",
+        "device": f"cpu as deployed: {groups} on a {config.ray.num_cpus or os.cpu_count()}-CPU Ray, {os.cpu_count()}-core host",
+        "model": "builtin" if config.model is None else Path(config.model).name,
+        **coefficients,
+        "handover_fixed_s": handover.get("p50", 0.0),
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "combine": "sum",
+        "rpc_latency_s": rpc["p50"] / 2 if rpc else None,
+        "frontend_latency_s": frontend["p50"] / 2 if frontend else None,
+        "notes": (
+            "measured as deployed by duet profile --deployed (cluster/sim/deployed.py): each instance's own steps "
+            "(start to outputs handed on) while the cluster served the calibration load through the gRPC front end, "
+            "fitted to the mean step of each shape; rpc_latency_s and frontend_latency_s are half the median Ray Ping "
+            "and gRPC health round trips under that load; handover_fixed_s is the median TRANSMISSION-to-GENERATING "
+            f"time of the router's timelines less the {HANDOVER_PLANE} link time of the request's KV"
+        ),
+        "fit": {
+            **quality,
+            "dtype": config.dtype,
+            "deployment": {"instances": groups, "engine": dict(config.engine), "ray_num_cpus": config.ray.num_cpus},
+            "first_pass": [point.__dict__ for point in first_pass],
+            "second_pass": [point.__dict__ for point in second_pass],
+            "first_pass_fit": coefficients_first,
+            "rpc_round_trip_s": rpc,
+            "frontend_round_trip_s": frontend,
+            "handover_control_s": handover,
+            "load_average_before": load_before,
+            "load_average_after": _load_average(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "samples_table": [[s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7)] for s in samples],
+        },
+    }
+
