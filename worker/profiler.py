@@ -13,7 +13,7 @@ and the output bookkeeping as well as the forward pass's fixed cost. Experiments
   median of several over a warm connection: Prepare, one chunk, Commit.
 
 The fit is relative least squares of step_s = overhead + a x context tokens + b x pairs + c x decode requests
-+ d x decode context tokens, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
++ d x decode context tokens + e if the step runs any context, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
 never imports cluster).
 """
 
@@ -40,7 +40,10 @@ from worker.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "duet.step_profile.v1"  # cluster/sim/profile.py PROFILE_FORMAT
-COLUMNS = ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence", "decode_s_per_context_token")
+COLUMNS = (
+    "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence", "decode_s_per_context_token",
+    "context_step_s",
+)
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class StepSample:
     step_s: float
 
     def row(self) -> list[float]:
-        return [1.0, self.context_tokens, self.context_pairs, self.decode_sequences, self.decode_context_tokens]
+        return [1.0, self.context_tokens, self.context_pairs, self.decode_sequences, self.decode_context_tokens, float(self.context_tokens > 0)]
 
 
 @dataclass(frozen=True)

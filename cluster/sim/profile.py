@@ -4,13 +4,16 @@ A profile is a small JSON file (`duet profile` writes a measured one; cluster/si
 estimates one for a GPU from its datasheet). One step of an instance runs context chunks and
 generation tokens together (worker/engine.py); the model of its duration is
 
-    step_s = overhead_s + combine(compute_s, memory_s)
+    step_s = overhead_s + [context_step_s if the step runs any context] + combine(compute_s, memory_s)
     compute_s = prefill_s_per_token x context tokens
               + prefill_s_per_token_pair x attended (query, key) pairs of the context chunks
               + decode_s_per_sequence x generation requests
     memory_s  = decode_s_per_context_token x context length summed over generation requests
 
-`combine` is "sum" for measured profiles (a linear fit of measured steps: on a CPU the parts do not
+`context_step_s` is what a step pays for running context at all, beyond its tokens: about 0 for an
+engine alone in one process; as deployed (below) the prefill-started event it publishes and the
+hand-over its finished context starts run on the instance's other threads during the step, on the
+same shared cores. `combine` is "sum" for measured profiles (a linear fit of measured steps: on a CPU the parts do not
 overlap) and "max" for roofline ones (a GPU step is bound by compute or by memory traffic, the
 weights' read being in `overhead_s`). A KV hand-over costs `handover_fixed_s` of control path
 (Prepare and Commit round trips) plus the link's time for `kv_bytes_per_token` x its tokens
@@ -52,6 +55,7 @@ class StepProfile:
     handover_fixed_s: float
     kv_bytes_per_token: int
     combine: str = "sum"  # "sum" or "max" (see the module docstring)
+    context_step_s: float = 0.0  # seconds a step with any context chunk pays beyond its tokens (the module docstring)
     rpc_latency_s: float | None = None  # seconds, one way, as deployed (the module docstring); None: not measured
     frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
     notes: str = ""
@@ -62,7 +66,7 @@ class StepProfile:
             raise ProfileError(f"combine: 'sum' or 'max', got {self.combine!r}")
         for name in (
             "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
-            "decode_s_per_context_token", "handover_fixed_s",
+            "decode_s_per_context_token", "handover_fixed_s", "context_step_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -85,7 +89,7 @@ class StepProfile:
         )
         memory_s = self.decode_s_per_context_token * decode_context_tokens
         body_s = compute_s + memory_s if self.combine == "sum" else max(compute_s, memory_s)
-        return self.step_overhead_s + body_s
+        return self.step_overhead_s + (self.context_step_s if context_tokens else 0.0) + body_s
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, **asdict(self)}

@@ -168,3 +168,16 @@ def test_an_instance_logs_each_step_it_runs_with_its_batch(tmp_path: Path) -> No
         (20, context_pairs(0, 20), 0, 0), (0, 0, 1, 21), (0, 0, 1, 22), (0, 0, 1, 23),
     ]
     assert all(s.step_s > 0 for s in samples)
+
+
+def test_a_step_with_context_pays_the_context_step_cost_and_a_decode_step_does_not() -> None:
+    with_cost = dataclasses.replace(PROFILE, context_step_s=0.05)
+    assert with_cost.step_s(96, context_pairs(0, 96), 0, 0) == pytest.approx(PROFILE.step_s(96, context_pairs(0, 96), 0, 0) + 0.05)
+    assert with_cost.step_s(0, 0, 4, 400) == PROFILE.step_s(0, 0, 4, 400)
+    # Applied by the simulated instances: requests far apart, each prefilled in one step of its own.
+    config = _cluster([("MIXED", 1)])
+    plain = simulate(config, SimSettings(PROFILE), _requests(6), PoissonArrivals(1.0))
+    costly = simulate(config, SimSettings(with_cost), _requests(6), PoissonArrivals(1.0))
+    for a, b in zip(plain.point.outcome.records, costly.point.outcome.records, strict=True):
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.05, abs=1e-9)
+        assert b.tpot_s == pytest.approx(a.tpot_s, abs=1e-9)
