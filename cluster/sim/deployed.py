@@ -52,7 +52,6 @@ from cluster.sim.link import DATA_PLANES
 from cluster.sim.profile import StepProfile
 from worker.protocol import InstanceRole
 
-PROBE_INTERVAL_S = 0.05
 HANDOVER_PLANE = "grpc-loopback"  # the link model whose time the hand-over's control path excludes
 
 
@@ -120,23 +119,6 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"n": len(ordered), "p10": ordered[len(ordered) // 10], "p50": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))]}
 
 
-async def _probe(call: Callable[[], Any], out: list[tuple[float, float]], stop: asyncio.Event) -> None:
-    """(wall-clock time, round trip seconds) of `call`, every PROBE_INTERVAL_S until `stop`."""
-    loop = asyncio.get_running_loop()
-    while not stop.is_set():
-        started = loop.time()
-        try:
-            await call()
-        except Exception:  # noqa: BLE001 - a failed probe is no sample
-            pass
-        else:
-            out.append((time.time(), loop.time() - started))
-        try:
-            await asyncio.wait_for(stop.wait(), PROBE_INTERVAL_S)
-        except asyncio.TimeoutError:
-            pass
-
-
 def _handover_seconds(timeline_path: Path, tokens_per_block: int, kv_bytes_per_token: int, since_s: float) -> list[float]:
     """Per disaggregated request admitted at or after wall-clock `since_s`: TRANSMISSION to
     GENERATING in the router's timeline, less the link model's time for its KV bytes."""
@@ -158,6 +140,69 @@ def _handover_seconds(timeline_path: Path, tokens_per_block: int, kv_bytes_per_t
     return out
 
 
+class _WallClock:
+    """time.time for a LoadRunner, remembering its first reading: the run's start, so that its
+    records (seconds since the start) can be set against the router's wall-clock timelines."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self) -> float:
+        now = time.time()
+        if self.first is None:
+            self.first = now
+        return now
+
+
+@dataclass
+class _PointRun:
+    point: CalibrationPoint
+    started_s: float  # wall clock
+    ended_s: float
+    records: tuple[Any, ...]  # RequestRecord
+
+
+def _timelines(timeline_path: Path) -> list[dict[str, float]]:
+    """Per ended request: its first time in each global state (wall clock), and its prompt length
+    (under "prompt_tokens")."""
+    out = []
+    if not timeline_path.exists():
+        return out
+    for line in timeline_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        times: dict[str, float] = {}
+        for entry in record.get("timeline", ()):
+            times.setdefault(entry["state"], entry["time_s"])
+        times["prompt_tokens"] = record.get("usage", {}).get("prompt_tokens", 0)
+        times["end"] = record["timeline"][-1]["time_s"] if record.get("timeline") else 0.0
+        out.append(times)
+    return out
+
+
+def _frontend_and_submit(runs: list[_PointRun], timelines: list[dict[str, float]]) -> tuple[list[float], list[float], list[float]]:
+    """From each point's records matched in order with the timelines of the requests the router
+    admitted meanwhile: the front end's way in (sent to QUEUED), its way out (the router's first
+    token to the client's: GENERATION_INIT, or GENERATING when colocated), and, for requests sent
+    one at a time, the control path to an idle instance and back (QUEUED to CONTEXT_IN_PROGRESS)."""
+    ways_in, ways_out, submits = [], [], []
+    for run in runs:
+        admitted = sorted((t for t in timelines if run.started_s <= t.get("QUEUED", 0.0) <= run.ended_s), key=lambda t: t["QUEUED"])
+        records = sorted((r for r in run.records if r.ok and r.chunk_times_s), key=lambda r: r.sent_s)
+        if len(admitted) != len(records):
+            continue  # a request failed or was retried: no safe matching
+        for record, times in zip(records, admitted, strict=True):
+            ways_in.append(times["QUEUED"] - (run.started_s + record.sent_s))
+            first = times.get("GENERATION_INIT", times.get("GENERATING"))
+            if first is not None:
+                ways_out.append(run.started_s + record.chunk_times_s[0] - first)
+            if run.point.concurrency == 1 and "CONTEXT_IN_PROGRESS" in times:
+                submits.append(times["CONTEXT_IN_PROGRESS"] - times["QUEUED"])
+    return ways_in, ways_out, submits
+
+
 def measure_deployed(
     config: ClusterConfig | None = None,
     *,
@@ -166,12 +211,11 @@ def measure_deployed(
     progress: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:
     """Deploy `config`, serve the calibration load, and return the fitted profile document."""
-    from cluster.cli.bench import BenchSettings, run_points
     from cluster.client.sdk import AsyncDuetClient
     from cluster.deploy.embedded import BackgroundCluster
     from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
-    from cluster.loadgen.metrics import Slo
-    from cluster.loadgen.runner import SamplingSpec
+    from cluster.loadgen.runner import LoadRunner, SamplingSpec
+    from cluster.loadgen.workloads import build_workload
     from cluster.router.instance_client import RayInstanceClient
     from worker.profiler import fit, read_step_logs
 
@@ -180,8 +224,7 @@ def measure_deployed(
     engine = config.engine_config(config.instances[0])
     counts = {role: sum(g.count for g in config.instances if g.role is role) for role in InstanceRole}
     load_before = _load_average()
-    rpc_rtts: list[tuple[float, float]] = []
-    frontend_rtts: list[tuple[float, float]] = []
+    runs: list[_PointRun] = []
     with tempfile.TemporaryDirectory(prefix="duet-profile-") as tmp:
         steps_dir = Path(tmp) / "steps"
         timeline_path = Path(tmp) / "timelines.jsonl"
@@ -190,19 +233,12 @@ def measure_deployed(
         )
         progress("deploying the cluster ...")
         with BackgroundCluster(deployed) as cluster:
-            clients = [RayInstanceClient(iid, actor) for iid, actor in cluster.deployment.actors.items()]
-            stop_rpc = asyncio.Event()
-
-            async def rpc_probe() -> None:
-                await asyncio.gather(*(_probe(client.ping, rpc_rtts, stop_rpc) for client in clients))
-
-            rpc_future = asyncio.run_coroutine_threadsafe(rpc_probe(), cluster.loop)
 
             async def serve(points: tuple[CalibrationPoint, ...], provisional: StepProfile | None, tag: str) -> None:
-                stop = asyncio.Event()
                 client = AsyncDuetClient(cluster.target)
-                probe = asyncio.ensure_future(_probe(client.health, frontend_rtts, stop))
                 try:
+                    if provisional is None:  # first calls: channels, allocator, caches
+                        await LoadRunner(client).warmup(build_workload(WorkloadConfig(num_requests=4, input_len=64, output_len=4), 99))
                     for index, point in enumerate(points):
                         workload = WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=point.num_requests,
                                                   input_len=point.prompt_tokens, output_len=point.output_tokens)
@@ -216,39 +252,34 @@ def measure_deployed(
                             )
                             arrivals = PoissonArrivals(point.load * capacity)
                         progress(f"{tag} {index + 1}/{len(points)}: {point.prompt_tokens} prompt / {point.output_tokens} output tokens, {arrivals.label}")
-                        settings = BenchSettings(
-                            workload=workload, points=(arrivals,), slo=Slo(), sampling=SamplingSpec(),
-                            warmup=2 if index == 0 and provisional is None else 0, seed=index, out_dir=Path("."), plots=False, progress=False,
-                        )
-                        await run_points(cluster.target, {}, settings, None)
+                        clock = _WallClock()
+                        outcome = await LoadRunner(client, SamplingSpec(), clock=clock).run(build_workload(workload, index), arrivals, seed=index)
+                        assert clock.first is not None
+                        runs.append(_PointRun(point, clock.first, time.time(), outcome.records))
                 finally:
-                    stop.set()
-                    await probe
                     await client.close()
 
-            try:
-                asyncio.run(serve(first_pass, None, "first pass"))
-                layout = cluster.run(clients[0].get_info()).layout
-                kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
-                first_samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")))
-                if len(first_samples) < 8:
-                    raise RuntimeError(f"the deployment logged {len(first_samples)} steps in the first pass; too few to fit")
-                coefficients_first, _ = fit(first_samples, trim_fraction=0.0, mean=True)
-                provisional = StepProfile(
-                    "provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients_first
-                )
-                second_s = time.time()
-                asyncio.run(serve(second_pass, provisional, "second pass"))
-            finally:
-                cluster.loop.call_soon_threadsafe(stop_rpc.set)
-                rpc_future.result(timeout=30)
+            asyncio.run(serve(first_pass, None, "first pass"))
+            info = cluster.run(RayInstanceClient(*next(iter(cluster.deployment.actors.items()))).get_info())
+            layout = info.layout
+            kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
+            first_samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")))
+            if len(first_samples) < 8:
+                raise RuntimeError(f"the deployment logged {len(first_samples)} steps in the first pass; too few to fit")
+            coefficients_first, _ = fit(first_samples, trim_fraction=0.0, mean=True)
+            provisional = StepProfile(
+                "provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients_first
+            )
+            second_s = time.time()
+            asyncio.run(serve(second_pass, provisional, "second pass"))
         samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=second_s)
         handovers = _handover_seconds(timeline_path, engine.tokens_per_block, kv_bytes_per_token, second_s)
+        timelines = _timelines(timeline_path)
     if len(samples) < 8:
         raise RuntimeError(f"the deployment logged {len(samples)} steps; too few to fit")
     coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
-    rpc = _percentiles([rtt for at, rtt in rpc_rtts if at >= second_s])
-    frontend = _percentiles([rtt for at, rtt in frontend_rtts if at >= second_s])
+    ways_in, ways_out, submits = _frontend_and_submit(runs, timelines)
+    way_in, way_out, submit = _percentiles(ways_in), _percentiles(ways_out), _percentiles(submits)
     handover = _percentiles(handovers)
     groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
     return {
@@ -261,13 +292,16 @@ def measure_deployed(
         "handover_fixed_s": handover.get("p50", 0.0),
         "kv_bytes_per_token": kv_bytes_per_token,
         "combine": "sum",
-        "rpc_latency_s": rpc["p50"] / 2 if rpc else None,
-        "frontend_latency_s": frontend["p50"] / 2 if frontend else None,
+        "rpc_latency_s": submit["p50"] / 2 if submit else None,
+        "frontend_latency_s": (way_in["p50"] + way_out["p50"]) / 2 if way_in and way_out else None,
         "notes": (
             "measured as deployed by duet profile --deployed (cluster/sim/deployed.py): each instance's own steps "
             "(start to outputs handed on) while the cluster served the calibration load through the gRPC front end, "
-            "fitted to the mean step of each shape; rpc_latency_s and frontend_latency_s are half the median Ray Ping "
-            "and gRPC health round trips under that load; handover_fixed_s is the median TRANSMISSION-to-GENERATING "
+            "fitted to the mean step of each shape (the second pass, at 70 % of the first pass's capacity estimate); "
+            "rpc_latency_s is half the median time from a request's admission to the router hearing that an idle "
+            "instance started its prefill (requests sent one at a time: a submit and a poll's answer); "
+            "frontend_latency_s the mean of the median ways in (client send to admission) and out (the router's "
+            "first token to the client's); handover_fixed_s is the median TRANSMISSION-to-GENERATING "
             f"time of the router's timelines less the {HANDOVER_PLANE} link time of the request's KV"
         ),
         "fit": {
@@ -277,8 +311,9 @@ def measure_deployed(
             "first_pass": [point.__dict__ for point in first_pass],
             "second_pass": [point.__dict__ for point in second_pass],
             "first_pass_fit": coefficients_first,
-            "rpc_round_trip_s": rpc,
-            "frontend_round_trip_s": frontend,
+            "submit_to_prefill_started_s": submit,
+            "frontend_way_in_s": way_in,
+            "frontend_way_out_s": way_out,
             "handover_control_s": handover,
             "load_average_before": load_before,
             "load_average_after": _load_average(),
