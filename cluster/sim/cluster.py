@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[
                 SimInstance(
                     instance_id, engine, settings.profile, network,
                     vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_s,
-                    stream_interval_s=settings.stream_interval_s,
+                    stream_interval_s=settings.stream_interval_s, rng=random.Random(f"{settings.seed}:{instance_id}"),
                 )
             )
     return instances, network

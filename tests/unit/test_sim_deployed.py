@@ -181,3 +181,25 @@ def test_a_step_with_context_pays_the_context_step_cost_and_a_decode_step_does_n
     for a, b in zip(plain.point.outcome.records, costly.point.outcome.records, strict=True):
         assert b.ttft_s == pytest.approx(a.ttft_s + 0.05, abs=1e-9)
         assert b.tpot_s == pytest.approx(a.tpot_s, abs=1e-9)
+
+
+def test_a_profile_s_spread_scales_each_simulated_step_by_a_seeded_draw() -> None:
+    spread = dataclasses.replace(PROFILE, step_time_ratios=(0.5, 1.0, 1.5))
+    assert [spread.step_factor(u) for u in (0.0, 1 / 6, 0.25, 0.5, 5 / 6, 0.99)] == pytest.approx([0.5, 0.5, 0.625, 1.0, 1.5, 1.5])
+    assert PROFILE.step_factor(0.3) == 1.0  # no spread listed: the model's time
+    assert StepProfile.from_dict(json.loads(json.dumps(spread.to_dict()))) == spread
+    with pytest.raises(ProfileError, match="step_time_ratios"):
+        dataclasses.replace(PROFILE, step_time_ratios=(1.5, 0.5))
+    config = _cluster([("MIXED", 1)])
+    # Every step twice the model's: a lone request's TTFT is its one prefill step, doubled.
+    plain = simulate(config, SimSettings(PROFILE, rpc_latency_s=0.0), _requests(6), PoissonArrivals(1.0))
+    doubled = simulate(config, SimSettings(dataclasses.replace(PROFILE, step_time_ratios=(2.0,)), rpc_latency_s=0.0), _requests(6), PoissonArrivals(1.0))
+    for a, b in zip(plain.point.outcome.records, doubled.point.outcome.records, strict=True):
+        assert b.ttft_s == pytest.approx(2 * a.ttft_s, abs=1e-9)
+        assert b.tpot_s == pytest.approx(2 * a.tpot_s, abs=1e-9)
+    # A spread: steps differ from one another, and a rerun with the same seed is the same run.
+    first = simulate(config, SimSettings(spread), _requests(6), PoissonArrivals(1.0))
+    again = simulate(config, SimSettings(spread), _requests(6), PoissonArrivals(1.0))
+    assert [r.chunk_times_s for r in first.point.outcome.records] == [r.chunk_times_s for r in again.point.outcome.records]
+    gaps = [b - a for r in first.point.outcome.records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)]
+    assert max(gaps) > 2 * min(gaps)
