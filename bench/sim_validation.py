@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -120,6 +121,13 @@ def sim_run(topology: str, workload: WorkloadConfig, rate: float, settings: SimS
     return figures_of(outcome.point.metrics)
 
 
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
 def relative(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -141,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = {name: cases[name] for name in ("prefill_heavy", "decode_heavy")}
     profile = load_profile(args.profile)
     settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
-    figures: dict[str, object] = {"profile": profile.name, "load": LOAD, "requests_per_case": count}
+    figures: dict[str, object] = {"profile": profile.name, "load": LOAD, "requests_per_case": count, "load_average_before": _load_average()}
     rows = []
     errors: list[float] = []
     cases_within = metrics_within = metrics_total = 0
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([case, metric, mean, predicted[metric], error, noise, "yes" if within else "no"])
             cases_within += all_within
             figures[f"{case}_rate_per_s"] = round(rates[name], 3)
+    figures["load_average_after"] = _load_average()  # the host's 1, 5 and 15 minute load: other jobs make real runs noisy
     figures["median_rel_error"] = round(statistics.median(errors), 4) if errors else None
     figures["cases_within_bound"] = cases_within
     figures["cases_total"] = len(topologies) * len(cases)

@@ -32,6 +32,7 @@ host's load average before and after.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import os
@@ -81,10 +82,17 @@ FIRST_PASS = (
     CalibrationPoint(96, 32, 48, concurrency=24),
 )
 SECOND_PASS = (
-    CalibrationPoint(384, 8, 48, load=0.7),
-    CalibrationPoint(192, 24, 48, load=0.7),
-    CalibrationPoint(96, 48, 48, load=0.7),
+    CalibrationPoint(384, 8, 64, load=0.7),
+    CalibrationPoint(192, 24, 64, load=0.7),
+    CalibrationPoint(96, 48, 64, load=0.7),
 )
+# The loaded pass is repeated, each at 70 % of the capacity its predecessor's fit estimates, until
+# the estimate moves by less than SETTLED (at most MAX_LOADED_PASSES), so that the load the profile
+# is measured at approaches the load it predicts for rather than the first pass's guess of it; the
+# profile is fitted to the steps of all loaded passes.
+MAX_LOADED_PASSES = 3
+SETTLED = 0.15
+SPREAD_POINTS = 20  # quantiles of StepProfile.step_time_ratios
 QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(512, 2, 4, concurrency=2), CalibrationPoint(48, 16, 8, concurrency=4))
 QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
 
@@ -162,9 +170,9 @@ class _PointRun:
     records: tuple[Any, ...]  # RequestRecord
 
 
-def _timelines(timeline_path: Path) -> list[dict[str, float]]:
-    """Per ended request: its first time in each global state (wall clock), and its prompt length
-    (under "prompt_tokens")."""
+def _timelines(timeline_path: Path) -> list[dict[str, Any]]:
+    """Per ended request: its first time in each global state (wall clock), its prompt length
+    ("prompt_tokens") and the instance that ran its context ("context_instance")."""
     out = []
     if not timeline_path.exists():
         return out
@@ -173,21 +181,22 @@ def _timelines(timeline_path: Path) -> list[dict[str, float]]:
             record = json.loads(line)
         except ValueError:
             continue
-        times: dict[str, float] = {}
+        times: dict[str, Any] = {}
         for entry in record.get("timeline", ()):
             times.setdefault(entry["state"], entry["time_s"])
+            if entry["state"] == "CONTEXT_IN_PROGRESS":
+                times.setdefault("context_instance", entry.get("instance_id") or "")
         times["prompt_tokens"] = record.get("usage", {}).get("prompt_tokens", 0)
         times["end"] = record["timeline"][-1]["time_s"] if record.get("timeline") else 0.0
         out.append(times)
     return out
 
 
-def _frontend_and_submit(runs: list[_PointRun], timelines: list[dict[str, float]]) -> tuple[list[float], list[float], list[float]]:
+def _frontend(runs: list[_PointRun], timelines: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
     """From each point's records matched in order with the timelines of the requests the router
-    admitted meanwhile: the front end's way in (sent to QUEUED), its way out (the router's first
-    token to the client's: GENERATION_INIT, or GENERATING when colocated), and, for requests sent
-    one at a time, the control path to an idle instance and back (QUEUED to CONTEXT_IN_PROGRESS)."""
-    ways_in, ways_out, submits = [], [], []
+    admitted meanwhile: the front end's way in (sent to QUEUED) and its way out (the router's first
+    token to the client's: GENERATION_INIT, or GENERATING when colocated)."""
+    ways_in, ways_out = [], []
     for run in runs:
         admitted = sorted((t for t in timelines if run.started_s <= t.get("QUEUED", 0.0) <= run.ended_s), key=lambda t: t["QUEUED"])
         records = sorted((r for r in run.records if r.ok and r.chunk_times_s), key=lambda r: r.sent_s)
@@ -198,9 +207,47 @@ def _frontend_and_submit(runs: list[_PointRun], timelines: list[dict[str, float]
             first = times.get("GENERATION_INIT", times.get("GENERATING"))
             if first is not None:
                 ways_out.append(run.started_s + record.chunk_times_s[0] - first)
-            if run.point.concurrency == 1 and "CONTEXT_IN_PROGRESS" in times:
-                submits.append(times["CONTEXT_IN_PROGRESS"] - times["QUEUED"])
-    return ways_in, ways_out, submits
+    return ways_in, ways_out
+
+
+def _calls(timelines: list[dict[str, Any]], steps_dir: Path, since_s: float) -> tuple[list[float], list[float]]:
+    """The router's calls as its instances saw them, for requests admitted at or after `since_s`
+    while the instance that ran their context was idle: the submit's way there (QUEUED to the start
+    of that instance's next step) and a poll's answer's way back (that step's start, where it
+    publishes "prefill started", to CONTEXT_IN_PROGRESS)."""
+    steps: dict[str, list[tuple[float, float]]] = {}
+    for path in steps_dir.glob("*.jsonl"):
+        spans = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                spans.append((record["t"] - record["loop_s"], record["t"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        steps[path.stem] = sorted(spans)
+    ways_there, ways_back = [], []
+    for times in timelines:
+        queued, started, instance = times.get("QUEUED"), times.get("CONTEXT_IN_PROGRESS"), times.get("context_instance")
+        if queued is None or started is None or queued < since_s or instance not in steps:
+            continue
+        spans = steps[instance]
+        index = bisect.bisect_left(spans, (queued, queued))
+        if index and spans[index - 1][1] > queued:
+            continue  # a step was running when the request came: it waited for the instance
+        if index == len(spans) or spans[index][0] > started:
+            continue
+        ways_there.append(spans[index][0] - queued)
+        ways_back.append(started - spans[index][0])
+    return ways_there, ways_back
+
+
+def _spread(samples: list[Any], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
+    """Measured / modelled time of each step, at the quantiles (i + 0.5) / points, scaled so that
+    their mean is 1 (the fit meets the mean step; the spread is only how steps scatter around it)."""
+    ratios = sorted(s.step_s / profile.step_s(s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens) for s in samples)
+    picked = [ratios[min(len(ratios) - 1, int((i + 0.5) / points * len(ratios)))] for i in range(points)]
+    mean = sum(picked) / len(picked)
+    return [round(r / mean, 4) for r in picked]
 
 
 def measure_deployed(
@@ -225,6 +272,13 @@ def measure_deployed(
     counts = {role: sum(g.count for g in config.instances if g.role is role) for role in InstanceRole}
     load_before = _load_average()
     runs: list[_PointRun] = []
+
+    def capacity_of(profile: StepProfile, point: CalibrationPoint) -> float:
+        return cluster_rps(
+            profile, engine, num_prefill=counts[InstanceRole.PREFILL], num_generation=counts[InstanceRole.GENERATION],
+            num_mixed=counts[InstanceRole.MIXED], mean_prompt_tokens=point.prompt_tokens, mean_output_tokens=point.output_tokens,
+        )
+
     with tempfile.TemporaryDirectory(prefix="duet-profile-") as tmp:
         steps_dir = Path(tmp) / "steps"
         timeline_path = Path(tmp) / "timelines.jsonl"
@@ -246,11 +300,7 @@ def measure_deployed(
                             arrivals: Any = FixedConcurrency(point.concurrency)
                         else:
                             assert provisional is not None and point.load is not None
-                            capacity = cluster_rps(
-                                provisional, engine, num_prefill=counts[InstanceRole.PREFILL], num_generation=counts[InstanceRole.GENERATION],
-                                num_mixed=counts[InstanceRole.MIXED], mean_prompt_tokens=point.prompt_tokens, mean_output_tokens=point.output_tokens,
-                            )
-                            arrivals = PoissonArrivals(point.load * capacity)
+                            arrivals = PoissonArrivals(point.load * capacity_of(provisional, point))
                         progress(f"{tag} {index + 1}/{len(points)}: {point.prompt_tokens} prompt / {point.output_tokens} output tokens, {arrivals.label}")
                         clock = _WallClock()
                         outcome = await LoadRunner(client, SamplingSpec(), clock=clock).run(build_workload(workload, index), arrivals, seed=index)
@@ -267,19 +317,40 @@ def measure_deployed(
             if len(first_samples) < 8:
                 raise RuntimeError(f"the deployment logged {len(first_samples)} steps in the first pass; too few to fit")
             coefficients_first, _ = fit(first_samples, trim_fraction=0.0, mean=True)
-            provisional = StepProfile(
-                "provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients_first
-            )
+
+            def as_profile(coefficients: dict[str, float]) -> StepProfile:
+                return StepProfile("provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients)
+
+            def capacities(profile: StepProfile) -> list[float]:
+                return [capacity_of(profile, point) for point in second_pass]
+
+            provisional = as_profile(coefficients_first)
+            pass_fits = []
             second_s = time.time()
-            asyncio.run(serve(second_pass, provisional, "second pass"))
-        samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=second_s)
+            for number in range(1 if quick else MAX_LOADED_PASSES):
+                pass_s = time.time()
+                asyncio.run(serve(second_pass, provisional, f"loaded pass {number + 1}"))
+                samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=pass_s)
+                if len(samples) < 8:
+                    raise RuntimeError(f"the deployment logged {len(samples)} steps in a loaded pass; too few to fit")
+                coefficients, _ = fit(samples, trim_fraction=0.0, mean=True)
+                fitted = as_profile(coefficients)
+                moved = max(abs(new / old - 1) for new, old in zip(capacities(fitted), capacities(provisional), strict=True))
+                pass_fits.append({"coefficients": coefficients, "capacity_moved": round(moved, 4)})
+                provisional = fitted
+                if moved < SETTLED:
+                    break
+            # The profile: every loaded pass's steps (each pass's own fit is noisy on a shared host).
+            samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=second_s)
+            coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
+            ratios = _spread(samples, as_profile(coefficients))
         handovers = _handover_seconds(timeline_path, engine.tokens_per_block, kv_bytes_per_token, second_s)
         timelines = _timelines(timeline_path)
-    if len(samples) < 8:
-        raise RuntimeError(f"the deployment logged {len(samples)} steps; too few to fit")
+        calls = _calls(timelines, steps_dir, second_s)
     coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
-    ways_in, ways_out, submits = _frontend_and_submit(runs, timelines)
-    way_in, way_out, submit = _percentiles(ways_in), _percentiles(ways_out), _percentiles(submits)
+    ways_in, ways_out = _frontend(runs, timelines)
+    way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
+    call_there, call_back = (_percentiles(ways) for ways in calls)
     handover = _percentiles(handovers)
     groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
     return {
@@ -292,14 +363,16 @@ def measure_deployed(
         "handover_fixed_s": handover.get("p50", 0.0),
         "kv_bytes_per_token": kv_bytes_per_token,
         "combine": "sum",
-        "rpc_latency_s": submit["p50"] / 2 if submit else None,
+        "step_time_ratios": ratios,
+        "rpc_latency_s": (call_there["p50"] + call_back["p50"]) / 2 if call_there and call_back else None,
         "frontend_latency_s": (way_in["p50"] + way_out["p50"]) / 2 if way_in and way_out else None,
         "notes": (
             "measured as deployed by duet profile --deployed (cluster/sim/deployed.py): each instance's own steps "
             "(start to outputs handed on) while the cluster served the calibration load through the gRPC front end, "
             "fitted to the mean step of each shape (the second pass, at 70 % of the first pass's capacity estimate); "
-            "rpc_latency_s is half the median time from a request's admission to the router hearing that an idle "
-            "instance started its prefill (requests sent one at a time: a submit and a poll's answer); "
+            "rpc_latency_s is the mean of the median ways of the router's calls (second pass, requests that found "
+            "their prefill instance idle): a submit's way there (admission to the instance's next step) and a poll's "
+            "answer's way back (that step's start to the router hearing the prefill started); "
             "frontend_latency_s the mean of the median ways in (client send to admission) and out (the router's "
             "first token to the client's); handover_fixed_s is the median TRANSMISSION-to-GENERATING "
             f"time of the router's timelines less the {HANDOVER_PLANE} link time of the request's KV"
@@ -309,9 +382,11 @@ def measure_deployed(
             "dtype": config.dtype,
             "deployment": {"instances": groups, "engine": dict(config.engine), "ray_num_cpus": config.ray.num_cpus},
             "first_pass": [point.__dict__ for point in first_pass],
-            "second_pass": [point.__dict__ for point in second_pass],
+            "loaded_pass": [point.__dict__ for point in second_pass],
             "first_pass_fit": coefficients_first,
-            "submit_to_prefill_started_s": submit,
+            "loaded_pass_fits": pass_fits,
+            "call_way_there_s": call_there,
+            "call_way_back_s": call_back,
             "frontend_way_in_s": way_in,
             "frontend_way_out_s": way_out,
             "handover_control_s": handover,
