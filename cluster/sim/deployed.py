@@ -82,9 +82,10 @@ FIRST_PASS = (
     CalibrationPoint(96, 32, 48, concurrency=24),
 )
 SECOND_PASS = (
-    CalibrationPoint(384, 8, 64, load=0.7),
-    CalibrationPoint(192, 24, 64, load=0.7),
-    CalibrationPoint(96, 48, 64, load=0.7),
+    CalibrationPoint(384, 8, 48, load=0.7),
+    CalibrationPoint(192, 24, 48, load=0.7),
+    CalibrationPoint(96, 48, 48, load=0.7),
+    CalibrationPoint(704, 12, 48, load=0.7),  # decode at long contexts (what a step pays per context token)
 )
 # The loaded pass is repeated, each at 70 % of the capacity its predecessor's fit estimates, until
 # the estimate moves by less than SETTLED (at most MAX_LOADED_PASSES), so that the load the profile
