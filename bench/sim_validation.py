@@ -5,7 +5,8 @@ Workloads, each at ~70 % of the cluster's capacity as the profile estimates it
 (cluster/sim/capacity.py): prefill-heavy (long prompts, few outputs), decode-heavy (short prompts,
 long outputs), shared-prefix (prompts on a few long prefixes: prefix reuse and KV-aware placement).
 Each case runs twice on the real cluster (through the gRPC client, as `duet bench`) and once in the
-simulator with the profile measured on this machine (cpu-builtin, or --profile). For TTFT p50/p90
+simulator with the profile of that cluster measured as deployed on this machine (PROFILES:
+`duet profile --deployed --topology 1p1g|2mixed`, cluster/sim/deployed.py; or --profile for all). For TTFT p50/p90
 and TPOT p50/p90: the simulator's relative error against the mean of the two real runs, and the
 real runs' own disagreement (noise). A comparison is within bound when its error is at most
 max(15 %, 2 x the real-vs-real error).
@@ -51,6 +52,9 @@ TOPOLOGIES = {
     "1p1g": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}],
     "2mixed": [{"role": "MIXED", "count": 2}],
 }
+# The profile of each cluster, measured as it is deployed here (duet profile --deployed --topology T,
+# cluster/sim/deployed.py): how much a small host's processes slow each other depends on which run.
+PROFILES = {"1p1g": "cpu-builtin-deployed", "2mixed": "cpu-builtin-deployed-2mixed"}
 
 
 def workloads(count: int) -> dict[str, WorkloadConfig]:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1P+1G only, two workloads, a few requests (smoke test)")
     parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--profile", default="cpu-builtin")
+    parser.add_argument("--profile", default=None, help="one profile for every cluster (default: each cluster's own, PROFILES)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -147,13 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     topologies = ["1p1g"] if args.quick else list(TOPOLOGIES)
     if args.quick:
         cases = {name: cases[name] for name in ("prefill_heavy", "decode_heavy")}
-    profile = load_profile(args.profile)
-    settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
-    figures: dict[str, object] = {"profile": profile.name, "load": LOAD, "requests_per_case": count, "load_average_before": _load_average()}
+    profiles = {topology: load_profile(args.profile or PROFILES[topology]) for topology in topologies}
+    figures: dict[str, object] = {
+        "profiles": {topology: profile.name for topology, profile in profiles.items()}, "load": LOAD, "requests_per_case": count,
+        "load_average_before": _load_average(),
+    }
     rows = []
     errors: list[float] = []
     cases_within = metrics_within = metrics_total = 0
     for topology in topologies:
+        profile = profiles[topology]
+        settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
         rates = {name: rate_for(cluster_config(topology, args.seed), profile, workload) for name, workload in cases.items()}
         real = real_runs(topology, cases, rates, args.seed)
         for name, workload in cases.items():

@@ -5,6 +5,7 @@
     duet profile --model /models/llama --device cuda --dtype bfloat16 --out h100-llama.json
     duet profile --roofline h100-sxm:llama-3-8b --out h100-8b.json   # an estimate, not a measurement
     duet profile --deployed --out cpu-builtin-deployed.json   # as a served 1P+1G cluster runs (cluster/sim/deployed.py)
+    duet profile --deployed --topology 2mixed --out cpu-builtin-deployed-2mixed.json
     duet profile --deployed --config cluster.yaml --out mine.json
 
 The measuring side is worker/profiler.py (imported only when measuring: it needs torch); the
@@ -49,6 +50,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bench/sim_validation.py runs it) and fit the instances' own logged steps, Ray call, front end and hand-over costs",
     )
     parser.add_argument("--config", default=None, metavar="YAML", help="the cluster --deployed deploys (duet serve's YAML)")
+    parser.add_argument(
+        "--topology", default="1p1g", choices=("1p1g", "2mixed"),
+        help="without --config: which of bench/sim_validation.py's clusters --deployed deploys",
+    )
     add_log_level(parser, "WARNING")
     parser.set_defaults(handler=run)
 
@@ -101,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_deployed(args: argparse.Namespace, out: Path, name: str) -> int:
     from cluster.deploy.config import ClusterConfig
     from cluster.router.config import ConfigError
-    from cluster.sim.deployed import measure_deployed
+    from cluster.sim.deployed import default_config, measure_deployed
 
-    config = None
+    config = default_config(args.topology)
     if args.config is not None:
         try:
             config = ClusterConfig.from_yaml(args.config)

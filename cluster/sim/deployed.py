@@ -98,14 +98,18 @@ QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(
 QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
 
 
-def default_config() -> ClusterConfig:
-    """The cluster bench/sim_validation.py runs as 1p1g."""
+TOPOLOGIES = {  # the clusters bench/sim_validation.py runs
+    "1p1g": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}],
+    "2mixed": [{"role": "MIXED", "count": 2}],
+}
+
+
+def default_config(topology: str = "1p1g") -> ClusterConfig:
+    """The cluster bench/sim_validation.py runs as `topology`: built-in model, float32 on the CPU,
+    each instance a Ray actor with num_cpus 0.5 and 1 torch thread, on a 2-CPU embedded Ray."""
     return ClusterConfig.from_dict({
         "dtype": "float32", "device": "cpu",
-        "instances": [
-            {"role": "PREFILL", "count": 1, "num_cpus": 0.5, "torch_threads": 1},
-            {"role": "GENERATION", "count": 1, "num_cpus": 0.5, "torch_threads": 1},
-        ],
+        "instances": [dict(group, num_cpus=0.5, torch_threads=1) for group in TOPOLOGIES[topology]],
         "engine": {"num_blocks": 1024, "tokens_per_block": 16, "max_num_tokens": 512, "chunk_unit_tokens": 256,
                    "max_num_requests": 32, "max_batch_size": 32},
         "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
