@@ -8,25 +8,29 @@ shared host its steps are slower and less regular than the profiler's, and the c
 hand-over around them cost more (bench/sim_validation.py measured both). So `duet profile
 --deployed` measures the deployment instead:
 
-1. It deploys the cluster configuration (by default the one bench/sim_validation.py validates:
-   1 PREFILL + 1 GENERATION, built-in model, `num_cpus` 0.5, `torch_threads` 1 on a 2-CPU Ray)
-   with `step_log_dir` set, so that every instance logs each engine step it runs (its batch, and
-   the seconds from the step's start until its outputs were handed on: worker/profiler.py StepLog),
-   and the front end's timeline log.
-2. It serves a calibration load through the gRPC client, as `duet bench` does: prompts of 32 to
-   1,024 tokens with few outputs, and short prompts with long outputs at 2 to 24 requests at once
-   (CALIBRATION; not the workloads bench/sim_validation.py compares).
-3. Meanwhile it probes the control path: a Ray call (Ping) to each instance from the router's event
-   loop, and a gRPC health check from the load's client, every PROBE_INTERVAL_S.
-4. It fits the step model to the logged steps (worker/profiler.py `fit(mean=True)`: the mean step
-   of each shape, slow steps included, since a queue waits for those too). The control path:
-   `rpc_latency_s` = half the median Ping round trip, `frontend_latency_s` = half the median health
-   round trip, and `handover_fixed_s` = the median time from TRANSMISSION to GENERATING in the
-   router's timelines (what the simulator's hand-over spans) less the link model's time for the
-   request's KV bytes.
+1. It deploys the cluster configuration (by default one of the two bench/sim_validation.py
+   validates, `default_config`: 1 PREFILL + 1 GENERATION or 2 MIXED, built-in model, `num_cpus`
+   0.5, `torch_threads` 1 on a 2-CPU Ray) with `step_log_dir` set, so that every instance logs each
+   engine step it runs (its batch, and the seconds from the step's start until its outputs were
+   handed on: worker/profiler.py StepLog), and with the front end's timeline log.
+2. It serves a calibration load through the gRPC client, as `duet bench` does (not the workloads
+   bench/sim_validation.py compares): a first pass of fixed shapes at fixed concurrency, from one
+   request alone to a full decode batch (FIRST_PASS), fitted only to estimate the cluster's
+   capacity; then loaded passes of Poisson arrivals at 70 % of that estimate (SECOND_PASS),
+   repeated while the estimate moves (SETTLED, MAX_LOADED_PASSES).
+3. It fits the step model to the loaded passes' steps (worker/profiler.py `fit(mean=True)`: the
+   mean step of each shape, slow steps included, since a queue waits for those too) and records
+   their spread around it (`step_time_ratios`).
+4. The control path, from the router's timelines set against the step logs and the load's own
+   records (loaded passes): `rpc_latency_s`, the mean of the median ways of a call, a submit's way
+   to an idle instance (admission to the start of its next step) and a poll answer's way back (that
+   step's start, where it publishes "prefill started", to the router's CONTEXT_IN_PROGRESS);
+   `frontend_latency_s`, the mean of the median ways in (client send to admission) and out (the
+   router's first token to the client's); `handover_fixed_s`, the median TRANSMISSION to
+   GENERATING less the link model's time for the request's KV bytes (0 where nothing is handed over).
 
-The profile's `fit` records all of it: the configuration, the load, the probes' percentiles, the
-host's load average before and after.
+The profile's `fit` records all of it: the configuration, the passes and their fits, the
+percentiles of every control-path measurement, the host's load average before and after.
 """
 
 from __future__ import annotations
