@@ -98,6 +98,7 @@ SECOND_PASS = (
 MAX_LOADED_PASSES = 3
 SETTLED = 0.15
 SPREAD_POINTS = 20  # quantiles of StepProfile.step_time_ratios
+TABLE_ROWS = 250  # fitted steps kept in the profile's fit.samples_table
 QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(512, 2, 4, concurrency=2), CalibrationPoint(48, 16, 8, concurrency=4))
 QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
 
@@ -402,7 +403,12 @@ def measure_deployed(
             "load_average_before": load_before,
             "load_average_after": _load_average(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "samples_table": [[s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7)] for s in samples],
+            # Every `samples_table_every`-th fitted step (a few thousand would make the file large).
+            "samples_table_every": max(1, math.ceil(len(samples) / TABLE_ROWS)),
+            "samples_table": [
+                [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7)]
+                for s in samples[:: max(1, math.ceil(len(samples) / TABLE_ROWS))]
+            ],
         },
     }
 
