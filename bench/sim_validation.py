@@ -14,7 +14,7 @@ max(15 %, 2 x the real-vs-real error).
 Figures: `<case>_<metric>_rel_error`, `median_rel_error`, `cases_within_bound` / `cases_total` (a case
 is within bound when all four of its metrics are), and `metrics_within_bound` / `metrics_total`.
 
-    python bench/sim_validation.py [--quick] [--requests N] [--profile P]
+    python bench/sim_validation.py [--quick] [--requests N] [--profile P | --measure]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
@@ -40,18 +42,14 @@ from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_worklo
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
+from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
+from cluster.sim.profile import StepProfile  # noqa: E402
 
 BENCH = "sim_validation"
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 MIN_BOUND = 0.15
 LOAD = 0.7
-ENGINE = {"num_blocks": 1024, "tokens_per_block": 16, "max_num_tokens": 512, "chunk_unit_tokens": 256,
-          "max_num_requests": 32, "max_batch_size": 32}
-TOPOLOGIES = {
-    "1p1g": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}],
-    "2mixed": [{"role": "MIXED", "count": 2}],
-}
 # The profile of each cluster, measured as it is deployed here (duet profile --deployed --topology T,
 # cluster/sim/deployed.py): how much a small host's processes slow each other depends on which run.
 PROFILES = {"1p1g": "cpu-builtin-deployed", "2mixed": "cpu-builtin-deployed-2mixed"}
@@ -67,14 +65,8 @@ def workloads(count: int) -> dict[str, WorkloadConfig]:
 
 
 def cluster_config(topology: str, seed: int) -> ClusterConfig:
-    return ClusterConfig.from_dict({
-        "dtype": "float32", "device": "cpu",
-        "instances": [dict(group, num_cpus=0.5, torch_threads=1) for group in TOPOLOGIES[topology]],
-        "engine": ENGINE,
-        "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
-        "ray": {"num_cpus": 2},
-        "seed": seed,
-    })
+    """The cluster `duet profile --deployed --topology` measures (cluster/sim/deployed.py), seeded."""
+    return msgspec.structs.replace(default_config(topology), seed=seed)
 
 
 def rate_for(config: ClusterConfig, profile, workload: WorkloadConfig) -> float:
@@ -143,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="1P+1G only, two workloads, a few requests (smoke test)")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--profile", default=None, help="one profile for every cluster (default: each cluster's own, PROFILES)")
+    parser.add_argument(
+        "--measure", action="store_true",
+        help="measure each cluster's profile as deployed just before its real runs (duet profile --deployed: "
+        "the calibration load, not these workloads), so that both see the host as busy as it is now",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -151,7 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     topologies = ["1p1g"] if args.quick else list(TOPOLOGIES)
     if args.quick:
         cases = {name: cases[name] for name in ("prefill_heavy", "decode_heavy")}
-    profiles = {topology: load_profile(args.profile or PROFILES[topology]) for topology in topologies}
+    if args.measure:
+        profiles = {}
+        for topology in topologies:
+            progress(f"{topology}: measuring its profile as deployed ...")
+            document = measure_deployed(default_config(topology), name=f"measured-now-{topology}", quick=args.quick, progress=progress)
+            profiles[topology] = StepProfile.from_dict(document)
+    else:
+        profiles = {topology: load_profile(args.profile or PROFILES[topology]) for topology in topologies}
     figures: dict[str, object] = {
         "profiles": {topology: profile.name for topology, profile in profiles.items()}, "load": LOAD, "requests_per_case": count,
         "load_average_before": _load_average(),
