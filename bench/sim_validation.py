@@ -5,7 +5,8 @@ Workloads, each at ~70 % of the cluster's capacity as the profile estimates it
 (cluster/sim/capacity.py): prefill-heavy (long prompts, few outputs), decode-heavy (short prompts,
 long outputs), shared-prefix (prompts on a few long prefixes: prefix reuse and KV-aware placement).
 Each case runs twice on the real cluster (through the gRPC client, as `duet bench`) and once in the
-simulator with the profile measured on this machine (cpu-builtin, or --profile). For TTFT p50/p90
+simulator with the profile of that cluster measured as deployed on this machine (PROFILES:
+`duet profile --deployed --topology 1p1g|2mixed`, cluster/sim/deployed.py; or --profile for all). For TTFT p50/p90
 and TPOT p50/p90: the simulator's relative error against the mean of the two real runs, and the
 real runs' own disagreement (noise). A comparison is within bound when its error is at most
 max(15 %, 2 x the real-vs-real error).
@@ -13,7 +14,7 @@ max(15 %, 2 x the real-vs-real error).
 Figures: `<case>_<metric>_rel_error`, `median_rel_error`, `cases_within_bound` / `cases_total` (a case
 is within bound when all four of its metrics are), and `metrics_within_bound` / `metrics_total`.
 
-    python bench/sim_validation.py [--quick] [--requests N] [--profile P]
+    python bench/sim_validation.py [--quick] [--requests N] [--profile P | --measure]
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import statistics
 import sys
 from pathlib import Path
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,18 +42,17 @@ from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_worklo
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
+from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
+from cluster.sim.profile import StepProfile  # noqa: E402
 
 BENCH = "sim_validation"
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 MIN_BOUND = 0.15
 LOAD = 0.7
-ENGINE = {"num_blocks": 1024, "tokens_per_block": 16, "max_num_tokens": 512, "chunk_unit_tokens": 256,
-          "max_num_requests": 32, "max_batch_size": 32}
-TOPOLOGIES = {
-    "1p1g": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}],
-    "2mixed": [{"role": "MIXED", "count": 2}],
-}
+# The profile of each cluster, measured as it is deployed here (duet profile --deployed --topology T,
+# cluster/sim/deployed.py): how much a small host's processes slow each other depends on which run.
+PROFILES = {"1p1g": "cpu-builtin-deployed", "2mixed": "cpu-builtin-deployed-2mixed"}
 
 
 def workloads(count: int) -> dict[str, WorkloadConfig]:
@@ -62,14 +65,8 @@ def workloads(count: int) -> dict[str, WorkloadConfig]:
 
 
 def cluster_config(topology: str, seed: int) -> ClusterConfig:
-    return ClusterConfig.from_dict({
-        "dtype": "float32", "device": "cpu",
-        "instances": [dict(group, num_cpus=0.5, torch_threads=1) for group in TOPOLOGIES[topology]],
-        "engine": ENGINE,
-        "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
-        "ray": {"num_cpus": 2},
-        "seed": seed,
-    })
+    """The cluster `duet profile --deployed --topology` measures (cluster/sim/deployed.py), seeded."""
+    return msgspec.structs.replace(default_config(topology), seed=seed)
 
 
 def rate_for(config: ClusterConfig, profile, workload: WorkloadConfig) -> float:
@@ -120,6 +117,13 @@ def sim_run(topology: str, workload: WorkloadConfig, rate: float, settings: SimS
     return figures_of(outcome.point.metrics)
 
 
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
 def relative(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -130,7 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1P+1G only, two workloads, a few requests (smoke test)")
     parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--profile", default="cpu-builtin")
+    parser.add_argument("--profile", default=None, help="one profile for every cluster (default: each cluster's own, PROFILES)")
+    parser.add_argument(
+        "--measure", action="store_true",
+        help="measure each cluster's profile as deployed just before its real runs (duet profile --deployed: "
+        "the calibration load, not these workloads), so that both see the host as busy as it is now",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -139,13 +148,24 @@ def main(argv: list[str] | None = None) -> int:
     topologies = ["1p1g"] if args.quick else list(TOPOLOGIES)
     if args.quick:
         cases = {name: cases[name] for name in ("prefill_heavy", "decode_heavy")}
-    profile = load_profile(args.profile)
-    settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
-    figures: dict[str, object] = {"profile": profile.name, "load": LOAD, "requests_per_case": count}
+    if args.measure:
+        profiles = {}
+        for topology in topologies:
+            progress(f"{topology}: measuring its profile as deployed ...")
+            document = measure_deployed(default_config(topology), name=f"measured-now-{topology}", quick=args.quick, progress=progress)
+            profiles[topology] = StepProfile.from_dict(document)
+    else:
+        profiles = {topology: load_profile(args.profile or PROFILES[topology]) for topology in topologies}
+    figures: dict[str, object] = {
+        "profiles": {topology: profile.name for topology, profile in profiles.items()}, "load": LOAD, "requests_per_case": count,
+        "load_average_before": _load_average(),
+    }
     rows = []
     errors: list[float] = []
     cases_within = metrics_within = metrics_total = 0
     for topology in topologies:
+        profile = profiles[topology]
+        settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
         rates = {name: rate_for(cluster_config(topology, args.seed), profile, workload) for name, workload in cases.items()}
         real = real_runs(topology, cases, rates, args.seed)
         for name, workload in cases.items():
@@ -169,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([case, metric, mean, predicted[metric], error, noise, "yes" if within else "no"])
             cases_within += all_within
             figures[f"{case}_rate_per_s"] = round(rates[name], 3)
+    figures["load_average_after"] = _load_average()  # the host's 1, 5 and 15 minute load: other jobs make real runs noisy
     figures["median_rel_error"] = round(statistics.median(errors), 4) if errors else None
     figures["cases_within_bound"] = cases_within
     figures["cases_total"] = len(topologies) * len(cases)

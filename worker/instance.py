@@ -99,6 +99,10 @@ class InstanceSpec:
     sender: Mapping[str, Any] | None = None  # SenderConfig fields
     receiver: Mapping[str, Any] | None = None  # ReceiverConfig fields (host/port come from above)
     shm_tag: str = "0"  # this cluster's tag in shared-memory segment names (worker/kv_transfer/shm.py)
+    # A file the loop appends one JSON line per engine step to: what the step ran and how long it
+    # took, as the instance ran it (worker/profiler.py StepLog; `duet profile --deployed` fits
+    # these). None: off.
+    step_log: str | None = None
 
     @property
     def role(self) -> InstanceRole:
@@ -203,6 +207,13 @@ class Instance:
             model, tokenizer, generation = load_model(spec.model, dtype=spec.dtype, device=spec.device)
         self.faults = FaultInjector.from_mapping(spec.faults) if spec.faults else None
         self._wake = threading.Event()
+        self._step_log = None
+        runner_factory = {}
+        if spec.step_log is not None:
+            from worker.profiler import StepLog
+
+            self._step_log = StepLog(spec.step_log)
+            runner_factory = {"runner_factory": self._step_log.runner_factory}
         self.engine = Engine(
             model,
             tokenizer,
@@ -213,6 +224,7 @@ class Instance:
             instance_id=spec.instance_id,
             on_inbox=self._wake.set,
             before_forward=self._publish_planned,
+            **runner_factory,
         )
         self.incarnation = uuid.uuid4().hex
         security = TransportSecurity(token=spec.cluster_token, tls=spec.transfer_tls)
@@ -386,6 +398,8 @@ class Instance:
             self.receiver.stop()
         if self.sender is not None:
             self.sender.close()
+        if self._step_log is not None:
+            self._step_log.close()
 
     # --- the loop thread ------------------------------------------------------------------------------
     def _command(self, command: _LoopCommand) -> None:
@@ -422,7 +436,9 @@ class Instance:
                 worked = False
                 if self.engine.has_work():
                     before = self.engine.num_forward_tokens
+                    started = time.perf_counter()
                     outputs = self.engine.step()
+                    stepped = time.perf_counter()
                     worked = bool(outputs) or self.engine.num_forward_tokens != before
                     # Outputs first, so that the router hears of a context's first token before any
                     # result of the push it started; the push right after (microseconds later).
@@ -430,6 +446,8 @@ class Instance:
                     self._publish(outputs)
                     for push, source in self.engine.drain_ready_pushes():
                         self._start_push(push, source)
+                    if self._step_log is not None:
+                        self._step_log.record(stepped - started, time.perf_counter() - started)
                 if not worked:
                     # Nothing runnable: sleep until a command or an inbox item arrives (bounded,
                     # so timers such as leases and reservations are still checked).

@@ -13,18 +13,21 @@ and the output bookkeeping as well as the forward pass's fixed cost. Experiments
   median of several over a warm connection: Prepare, one chunk, Commit.
 
 The fit is relative least squares of step_s = overhead + a x context tokens + b x pairs + c x decode requests
-+ d x decode context tokens, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
++ d x decode context tokens + e if the step runs any context, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
 never imports cluster).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import platform
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -37,7 +40,10 @@ from worker.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "duet.step_profile.v1"  # cluster/sim/profile.py PROFILE_FORMAT
-COLUMNS = ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence", "decode_s_per_context_token")
+COLUMNS = (
+    "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence", "decode_s_per_context_token",
+    "context_step_s",
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class StepSample:
     step_s: float
 
     def row(self) -> list[float]:
-        return [1.0, self.context_tokens, self.context_pairs, self.decode_sequences, self.decode_context_tokens]
+        return [1.0, self.context_tokens, self.context_pairs, self.decode_sequences, self.decode_context_tokens, float(self.context_tokens > 0)]
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,63 @@ class _BatchRecorder:
                 pairs += n * chunk.num_cached_tokens + n * (n + 1) // 2
         self.last = (ctx, pairs, seqs, ctx_tokens)
         return self.inner.forward(chunks)
+
+
+class StepLog:
+    """A served instance's steps, one JSON line each (worker/instance.py, InstanceSpec.step_log):
+    `{"t": wall-clock end, "ctx": context tokens, "pairs": attended pairs, "seqs": generation
+    requests, "dctx": their context tokens, "s": seconds of Engine.step, "loop_s": seconds from the
+    step's start until its outputs, load and pushes were handed on (the step as the loop runs it)}`. The instance passes
+    `runner_factory` to its engine and calls `record` after each step; a step without a forward
+    pass writes nothing."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8", buffering=1)
+        self._lock = threading.Lock()
+        self.recorder: _BatchRecorder | None = None
+
+    def runner_factory(self, model, kv_cache) -> _BatchRecorder:
+        self.recorder = _BatchRecorder(model, kv_cache)
+        return self.recorder
+
+    def record(self, step_s: float, loop_s: float) -> None:
+        recorder = self.recorder
+        if recorder is None or recorder.last is None:
+            return
+        ctx, pairs, seqs, ctx_tokens = recorder.last
+        recorder.last = None
+        line = json.dumps({
+            "t": round(time.time(), 6), "ctx": ctx, "pairs": pairs, "seqs": seqs, "dctx": ctx_tokens,
+            "s": round(step_s, 7), "loop_s": round(loop_s, 7),
+        })
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_step_logs(paths: Iterable[str | Path], seconds: str = "loop_s", since_s: float = 0.0) -> list[StepSample]:
+    """The steps of StepLog files that ended at or after wall-clock `since_s`, each timed by its
+    `seconds` field ("loop_s": the step as the loop runs it; "s": Engine.step alone). A line that
+    does not parse (cut by a kill) is skipped."""
+    samples = []
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                if record["t"] < since_s:
+                    continue
+                samples.append(StepSample(record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record[seconds])))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return samples
 
 
 def _engine(model, tokenizer, recorder_box: list) -> Engine:
@@ -132,7 +195,9 @@ def measure_steps(model, tokenizer, plan: ProfilePlan, progress: Callable[[str],
 
 def _nnls(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Least squares with coefficients >= 0: a negative one is dropped and the rest refitted."""
-    active = list(range(rows.shape[1]))
+    # A column that is zero in every row (no step of that kind was measured) stays at 0: left in, it
+    # makes the system rank-deficient, which LAPACK's solver does not always survive.
+    active = [c for c in range(rows.shape[1]) if bool(rows[:, c].abs().max() > 0)]
     # Columns scaled to unit size so that the tiny per-pair coefficient is not lost to conditioning.
     scale = rows.abs().amax(dim=0).clamp(min=1e-12)
     coefficients = torch.zeros(rows.shape[1], dtype=torch.float64)
@@ -146,10 +211,16 @@ def _nnls(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return coefficients
 
 
-def fit(samples: Sequence[StepSample], trim_fraction: float = 0.15) -> tuple[dict[str, float], dict[str, float]]:
+def fit(samples: Sequence[StepSample], trim_fraction: float = 0.15, *, mean: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """Relative least squares (each step weighted by 1 / its time, so a 1 ms decode step counts as
     much as a 100 ms prefill), non-negative; then the `trim_fraction` worst-fitting steps (another
-    process took the core: shared machines) are dropped and the fit is redone."""
+    process took the core: shared machines) are dropped and the fit is redone.
+
+    `mean`: weight each step by 1 / the fit's prediction instead (refitted a few times), so that the
+    model meets the mean time of steps of one shape rather than their typical one. Weighting by the
+    observed time favours the fast steps: right for an engine alone on its cores, but in a deployment
+    whose instances share the cores the slow steps are part of what a queue waits for (fit steps
+    logged as deployed with `mean=True, trim_fraction=0`)."""
     rows = torch.tensor([s.row() for s in samples], dtype=torch.float64)
     target = torch.tensor([s.step_s for s in samples], dtype=torch.float64)
     weights = 1.0 / target
@@ -157,6 +228,10 @@ def fit(samples: Sequence[StepSample], trim_fraction: float = 0.15) -> tuple[dic
     relative = ((rows @ coefficients - target).abs() / target)
     keep = relative.argsort()[: max(len(COLUMNS) + 1, int(len(samples) * (1 - trim_fraction)))]
     coefficients = _nnls(rows[keep] * weights[keep].unsqueeze(1), target[keep] * weights[keep])
+    if mean:
+        for _ in range(4):
+            weights = 1.0 / (rows @ coefficients).clamp(min=1e-6)
+            coefficients = _nnls(rows[keep] * weights[keep].unsqueeze(1), target[keep] * weights[keep])
     relative = ((rows @ coefficients - target).abs() / target).tolist()
     kept = sorted(relative[i] for i in keep.tolist())
     quality = {

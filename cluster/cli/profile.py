@@ -4,6 +4,9 @@
     duet profile --bench-model --threads 1 --out cpu-bench8.json
     duet profile --model /models/llama --device cuda --dtype bfloat16 --out h100-llama.json
     duet profile --roofline h100-sxm:llama-3-8b --out h100-8b.json   # an estimate, not a measurement
+    duet profile --deployed --out cpu-builtin-deployed.json   # as a served 1P+1G cluster runs (cluster/sim/deployed.py)
+    duet profile --deployed --topology 2mixed --out cpu-builtin-deployed-2mixed.json
+    duet profile --deployed --config cluster.yaml --out mine.json
 
 The measuring side is worker/profiler.py (imported only when measuring: it needs torch); the
 profile format and the roofline are cluster/sim/profile.py and cluster/sim/roofline.py.
@@ -41,6 +44,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--roofline", default=None, metavar="DEVICE:MODEL",
         help=f"estimate instead of measuring; devices: {', '.join(DEVICES)}; models: {', '.join(MODELS)}",
     )
+    parser.add_argument(
+        "--deployed", action="store_true",
+        help="measure as deployed: serve a calibration load on a real cluster (--config, default 1P+1G as "
+        "bench/sim_validation.py runs it) and fit the instances' own logged steps, Ray call, front end and hand-over costs",
+    )
+    parser.add_argument("--config", default=None, metavar="YAML", help="the cluster --deployed deploys (duet serve's YAML)")
+    parser.add_argument(
+        "--topology", default="1p1g", choices=("1p1g", "2mixed"),
+        help="without --config: which of bench/sim_validation.py's clusters --deployed deploys",
+    )
     add_log_level(parser, "WARNING")
     parser.set_defaults(handler=run)
 
@@ -57,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         profile.write(out)
         print(f"wrote {out} (an analytical estimate: cluster/sim/roofline.py)")
         return EXIT_OK
+    if args.deployed:
+        return _run_deployed(args, out, name)
     import torch
 
     from worker.default_model import BENCH_SEED, bench_model_config, build_default_model, build_random_model
@@ -80,6 +95,27 @@ def run(args: argparse.Namespace) -> int:
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     profile = StepProfile.from_dict(document)  # the cluster side's own check of what was measured
+    profile.write(out)
+    fit = document["fit"]
+    print(json.dumps({k: v for k, v in document.items() if k != "fit"} | {
+        "median_relative_error": round(fit["median_relative_error"], 4), "samples": fit["samples"]}, indent=2))
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
+def _run_deployed(args: argparse.Namespace, out: Path, name: str) -> int:
+    from cluster.deploy.config import ClusterConfig
+    from cluster.router.config import ConfigError
+    from cluster.sim.deployed import default_config, measure_deployed
+
+    config = default_config(args.topology)
+    if args.config is not None:
+        try:
+            config = ClusterConfig.from_yaml(args.config)
+        except (ConfigError, OSError) as error:
+            raise CliError(f"--config: {error}", EXIT_USAGE) from None
+    document = measure_deployed(config, name=name, quick=args.quick, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    profile = StepProfile.from_dict(document)
     profile.write(out)
     fit = document["fit"]
     print(json.dumps({k: v for k, v in document.items() if k != "fit"} | {

@@ -84,7 +84,10 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
                        help=f"step-time profile: a shipped name ({', '.join(shipped_profiles()) or 'none'}), a JSON "
                        "file from duet profile, or roofline:DEVICE:MODEL")
     group.add_argument("--link", default=DEFAULT_PLANE, choices=tuple(DATA_PLANES), help="KV transfer data plane model")
-    group.add_argument("--rpc-latency-ms", type=float, default=0.5, metavar="MS", help="router/instance call round trip")
+    group.add_argument("--rpc-latency-ms", type=float, default=None, metavar="MS",
+                       help="router/instance call latency (default: the profile's measured one, else 0.5)")
+    group.add_argument("--frontend-latency-ms", type=float, default=None, metavar="MS",
+                       help="front end latency per message, each way (default: the profile's measured one, else 0)")
     group.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
                        help="instances merge a request's tokens for up to MS before reporting them (0: every step; "
                        "TTFT, TPOT and e2e stay exact, ITL is seen in chunks; faster for large simulations)")
@@ -132,7 +135,9 @@ def sim_settings(args: argparse.Namespace, sampling: Any, seed: int) -> SimSetti
         raise CliError(f"--profile/--link: {error}", EXIT_USAGE) from None
     deaths = tuple(_death(text) for text in getattr(args, "kill", ()))
     return SimSettings(
-        profile, link, rpc_latency_s=args.rpc_latency_ms / 1e3, stream_interval_s=args.stream_interval_ms / 1e3,
+        profile, link, rpc_latency_s=None if args.rpc_latency_ms is None else args.rpc_latency_ms / 1e3,
+        frontend_latency_s=None if args.frontend_latency_ms is None else args.frontend_latency_ms / 1e3,
+        stream_interval_s=args.stream_interval_ms / 1e3,
         deaths=deaths, sampling=sampling, seed=seed,
     )
 

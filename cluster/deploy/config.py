@@ -12,6 +12,7 @@
     frontend: {host: 127.0.0.1, port: 50051, tokens: [], tls_cert: null, tls_key: null, metrics_port: 9464, timeline_log: null,
               http_port: 8000, served_model_name: null, chat_template: null}
     cluster_token: null    # shared secret of the KV transfer path; generated when null
+    step_log_dir: null     # each instance's engine steps as JSON lines (duet profile --deployed fits them)
     faults: null           # a fault plan (worker/kv_transfer/faults.py) for chaos runs; off by default
     kv_transfer: {data_plane: auto, sender: {num_streams: 4, num_connections: 4, max_chunk_bytes: 4194304, checksum_algorithms: [XXH3_64, CRC32]},
                   receiver: {max_open_transfers: 16}, bind_host: null, tls: auto, tls_validity_days: 365}
@@ -177,6 +178,9 @@ class ClusterConfig(ConfigSection, frozen=True):
     """Seconds in-flight requests get to finish on SIGTERM."""
     seed: int | None = None
     """Seed of the router's random choices; None: unseeded."""
+    step_log_dir: str | None = None
+    """Directory where each instance appends one JSON line per engine step, to `<instance id>.jsonl`
+    (its batch and seconds, worker/profiler.py StepLog: what `duet profile --deployed` fits); None: off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

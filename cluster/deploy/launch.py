@@ -13,6 +13,7 @@ import re
 import secrets
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cluster.deploy.config import ClusterConfig, InstanceGroup
@@ -246,6 +247,7 @@ class Deployment:
                 sender=self._kv_section("sender"),
                 receiver=self._kv_section("receiver"),
                 shm_tag=self.deployment_id,
+                step_log=None if self.config.step_log_dir is None else str(Path(self.config.step_log_dir) / f"{item.instance_id}.jsonl"),
             )
             actor = remote_class.options(
                 name=f"duet-{self.deployment_id}-{item.instance_id}",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from worker.tokenizer import ByteTokenizer
 logger = logging.getLogger(__name__)
 
 SIM_VOCAB_SIZE = 32000
+DEFAULT_RPC_LATENCY_S = 0.5e-3  # a Ray actor call on one host, where no profile measured it
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,33 @@ class InstanceDeath:
 class SimSettings:
     profile: StepProfile
     link: LinkModel = DATA_PLANES[DEFAULT_PLANE]
-    rpc_latency_s: float = 0.5e-3  # one router/instance call's round trip (a Ray actor call)
+    # One router/instance call's latency, seconds: a call acts this long after it is made, and a
+    # poll's answer arrives this long after its mail (a Ray actor call). None: the profile's measured
+    # one (StepProfile.rpc_latency_s), else DEFAULT_RPC_LATENCY_S.
+    rpc_latency_s: float | None = None
+    # The front end's one-way latency per message, seconds: a request reaches the router this long
+    # after the client sends it, and each of its streamed messages reaches the client this long after
+    # the router emits it (cluster/sim/client.py). None: the profile's measured one
+    # (StepProfile.frontend_latency_s), else 0 (requests enter Router.submit directly).
+    frontend_latency_s: float | None = None
     stream_interval_s: float = 0.0  # cluster/sim/instance.py: 0 reports every step's tokens at once
     max_seq_len: int = 16384
     deaths: tuple[InstanceDeath, ...] = ()
     sampling: SamplingSpec = SamplingSpec(timeout_s=None)
     seed: int = 0
+
+    @property
+    def rpc_s(self) -> float:
+        if self.rpc_latency_s is not None:
+            return self.rpc_latency_s
+        measured = self.profile.rpc_latency_s
+        return DEFAULT_RPC_LATENCY_S if measured is None else measured
+
+    @property
+    def frontend_s(self) -> float:
+        if self.frontend_latency_s is not None:
+            return self.frontend_latency_s
+        return self.profile.frontend_latency_s or 0.0
 
 
 @dataclass(frozen=True)
@@ -124,8 +147,8 @@ def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[
             instances.append(
                 SimInstance(
                     instance_id, engine, settings.profile, network,
-                    vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_latency_s,
-                    stream_interval_s=settings.stream_interval_s,
+                    vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_s,
+                    stream_interval_s=settings.stream_interval_s, rng=random.Random(f"{settings.seed}:{instance_id}"),
                 )
             )
     return instances, network
@@ -165,7 +188,7 @@ async def simulate_async(
         loop.call_at(started_s + death.at_s, instance.kill)
         if death.restart_after_s is not None:
             loop.call_at(started_s + death.at_s + death.restart_after_s, instance.restart)
-    runner = LoadRunner(RouterClient(router), settings.sampling, clock=loop.time, on_done=on_done)
+    runner = LoadRunner(RouterClient(router, settings.frontend_s), settings.sampling, clock=loop.time, on_done=on_done)
     outcome = await runner.run(requests, arrivals, seed=settings.seed)
     virtual_s = loop.time() - started_s
     await router.stop()

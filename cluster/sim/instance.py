@@ -19,6 +19,9 @@ its event loop. Each call costs `rpc_latency_s` of virtual time (a Ray actor cal
 a poll waits for mail as the real long poll does. A killed instance answers every call with
 InstanceUnavailable, as a dead Ray actor does.
 
+A profile with a spread (StepProfile.step_time_ratios) makes each step take its model time times a
+factor drawn from it (the instance's own generator, seeded by the simulation: a rerun is identical).
+
 KV transfers take the link model's time (cluster/sim/link.py) plus the profile's control-path cost;
 transfer faults come from the deployment's fault plan (worker/kv_transfer/faults.py), drawn per
 transfer and chunk as the real sender and receiver draw them.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -123,6 +127,7 @@ class SimInstance:
         max_seq_len: int = 4096,
         rpc_latency_s: float = 0.5e-3,
         stream_interval_s: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.config = config
@@ -138,6 +143,8 @@ class SimInstance:
         # events, reservations and push results are never held, so TTFT, TPOT and e2e are exact;
         # ITL is seen in chunks. It cuts the router's per-token work for very large simulations.
         self.stream_interval_s = stream_interval_s
+        # Draws each step's spread (StepProfile.step_time_ratios); seeded per instance by the cluster.
+        self._rng = rng if rng is not None else random.Random(instance_id)
         tpb = config.tokens_per_block
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (profile.kv_bytes_per_token * tpb))
         self.num_blocks = num_blocks
@@ -459,6 +466,8 @@ class SimInstance:
             self.blocks.add_token(llm.request_id)
             decode_context += llm.num_tokens(0)
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
+        if self.profile.step_time_ratios:
+            step_s *= self.profile.step_factor(self._rng.random())
         if self.step_log is not None:
             self.step_log.append((context_tokens, pairs, len(schedule.generation), decode_context))
         stats = self.stats

@@ -4,17 +4,31 @@ A profile is a small JSON file (`duet profile` writes a measured one; cluster/si
 estimates one for a GPU from its datasheet). One step of an instance runs context chunks and
 generation tokens together (worker/engine.py); the model of its duration is
 
-    step_s = overhead_s + combine(compute_s, memory_s)
+    step_s = overhead_s + [context_step_s if the step runs any context] + combine(compute_s, memory_s)
     compute_s = prefill_s_per_token x context tokens
               + prefill_s_per_token_pair x attended (query, key) pairs of the context chunks
               + decode_s_per_sequence x generation requests
     memory_s  = decode_s_per_context_token x context length summed over generation requests
 
-`combine` is "sum" for measured profiles (a linear fit of measured steps: on a CPU the parts do not
+`context_step_s` is what a step pays for running context at all, beyond its tokens: about 0 for an
+engine alone in one process; as deployed (below) the prefill-started event it publishes and the
+hand-over its finished context starts run on the instance's other threads during the step, on the
+same shared cores. `combine` is "sum" for measured profiles (a linear fit of measured steps: on a CPU the parts do not
 overlap) and "max" for roofline ones (a GPU step is bound by compute or by memory traffic, the
 weights' read being in `overhead_s`). A KV hand-over costs `handover_fixed_s` of control path
 (Prepare and Commit round trips) plus the link's time for `kv_bytes_per_token` x its tokens
 (cluster/sim/link.py).
+
+A profile measured as deployed (`duet profile --deployed`, cluster/sim/deployed.py) also carries
+how its steps' times spread around the model, `step_time_ratios` (measured / modelled, at evenly
+spaced quantiles, mean 1: instances that share a small host's cores do not take the same time for
+the same batch twice, and a queue behind variable steps is longer than behind steady ones; the
+simulated instances draw each step's factor from it, seeded), and the control path it measured
+around the steps: `rpc_latency_s`, a router-to-instance call's one-way
+latency (half the median Ray actor call round trip from the router's event loop, under the
+calibration load), and `frontend_latency_s`, the gRPC front end's one-way latency per message (half
+the median health-check round trip from the load's client, under that load). None: not measured;
+the simulation's own settings apply (cluster/sim/cluster.py SimSettings).
 """
 
 from __future__ import annotations
@@ -45,6 +59,12 @@ class StepProfile:
     handover_fixed_s: float
     kv_bytes_per_token: int
     combine: str = "sum"  # "sum" or "max" (see the module docstring)
+    context_step_s: float = 0.0  # seconds a step with any context chunk pays beyond its tokens (the module docstring)
+    # How a step's time spreads around the model's (the module docstring): the ratio of measured to
+    # modelled time at the quantiles (i + 0.5) / n, ascending; () for none.
+    step_time_ratios: tuple[float, ...] = ()
+    rpc_latency_s: float | None = None  # seconds, one way, as deployed (the module docstring); None: not measured
+    frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
     notes: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # how it was measured: samples, residuals
 
@@ -53,11 +73,19 @@ class StepProfile:
             raise ProfileError(f"combine: 'sum' or 'max', got {self.combine!r}")
         for name in (
             "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
-            "decode_s_per_context_token", "handover_fixed_s",
+            "decode_s_per_context_token", "handover_fixed_s", "context_step_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ProfileError(f"{name}: a number >= 0, got {value!r}")
+        ratios = tuple(self.step_time_ratios)
+        if any(not isinstance(r, (int, float)) or not r > 0 for r in ratios) or list(ratios) != sorted(ratios):
+            raise ProfileError(f"step_time_ratios: ascending numbers > 0, got {self.step_time_ratios!r}")
+        object.__setattr__(self, "step_time_ratios", ratios)  # a JSON list becomes the tuple it stands for
+        for name in ("rpc_latency_s", "frontend_latency_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise ProfileError(f"{name}: a number >= 0 or null, got {value!r}")
         if not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token <= 0:
             raise ProfileError(f"kv_bytes_per_token: a positive integer, got {self.kv_bytes_per_token!r}")
 
@@ -72,7 +100,22 @@ class StepProfile:
         )
         memory_s = self.decode_s_per_context_token * decode_context_tokens
         body_s = compute_s + memory_s if self.combine == "sum" else max(compute_s, memory_s)
-        return self.step_overhead_s + body_s
+        return self.step_overhead_s + (self.context_step_s if context_tokens else 0.0) + body_s
+
+    def step_factor(self, u: float) -> float:
+        """The step-time ratio at quantile `u` in [0, 1) (linear between the listed quantiles, the
+        ends held): a simulated step takes `step_s` times this for a uniform draw `u`; 1.0 if the
+        profile lists no spread."""
+        ratios = self.step_time_ratios
+        if not ratios:
+            return 1.0
+        position = u * len(ratios) - 0.5
+        if position <= 0:
+            return ratios[0]
+        if position >= len(ratios) - 1:
+            return ratios[-1]
+        below = int(position)
+        return ratios[below] + (ratios[below + 1] - ratios[below]) * (position - below)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, **asdict(self)}

@@ -95,7 +95,7 @@ def test_the_profile_fit_recovers_known_coefficients() -> None:
     pytest.importorskip("torch")
     from worker.profiler import StepSample, fit
 
-    truth = (2e-3, 3e-5, 4e-8, 1e-4, 1e-6)
+    truth = (2e-3, 3e-5, 4e-8, 1e-4, 1e-6, 5e-3)  # the last: context_step_s, paid by a step with any context
     samples = []
     for ctx in (0, 64, 256, 1024):
         for seqs in (0, 1, 8, 32):
@@ -103,9 +103,12 @@ def test_the_profile_fit_recovers_known_coefficients() -> None:
                 if ctx == seqs == 0:
                     continue
                 row = (ctx, context_pairs(0, ctx), seqs, seqs * length)
-                samples.append(StepSample(*row, truth[0] + sum(c * x for c, x in zip(truth[1:], row, strict=False))))
+                step_s = truth[0] + sum(c * x for c, x in zip(truth[1:5], row, strict=True)) + (truth[5] if ctx else 0.0)
+                samples.append(StepSample(*row, step_s))
     coefficients, quality = fit(samples)
     assert list(coefficients.values()) == pytest.approx(truth, rel=1e-6)
+    profile = StepProfile("fitted", "measured", "cpu", "m", **coefficients, handover_fixed_s=0.0, kv_bytes_per_token=1)
+    assert samples[6].context_tokens == 64 and profile.step_s(64, context_pairs(0, 64), 0, 0) == pytest.approx(samples[6].step_s, rel=1e-6)
     assert quality["median_relative_error"] < 1e-9
 
 

@@ -1,0 +1,414 @@
+"""A step-time profile measured as deployed: the instances' own steps while a real cluster serves.
+
+`duet profile` (worker/profiler.py) times the engine in one process with the cores to itself. A
+served instance does not run like that: it is a Ray actor (`num_cpus`, `torch_threads` of its
+group) that shares the host's cores with the other instances, the router, the front end and the
+client, and answers the router's calls on its own threads between and during steps. On a small
+shared host its steps are slower and less regular than the profiler's, and the calls and the
+hand-over around them cost more (bench/sim_validation.py measured both). So `duet profile
+--deployed` measures the deployment instead:
+
+1. It deploys the cluster configuration (by default one of the two bench/sim_validation.py
+   validates, `default_config`: 1 PREFILL + 1 GENERATION or 2 MIXED, built-in model, `num_cpus`
+   0.5, `torch_threads` 1 on a 2-CPU Ray) with `step_log_dir` set, so that every instance logs each
+   engine step it runs (its batch, and the seconds from the step's start until its outputs were
+   handed on: worker/profiler.py StepLog), and with the front end's timeline log.
+2. It serves a calibration load through the gRPC client, as `duet bench` does (not the workloads
+   bench/sim_validation.py compares): a first pass of fixed shapes at fixed concurrency, from one
+   request alone to a full decode batch (FIRST_PASS), fitted only to estimate the cluster's
+   capacity; then loaded passes of Poisson arrivals at 70 % of that estimate (SECOND_PASS),
+   repeated while the estimate moves (SETTLED, MAX_LOADED_PASSES).
+3. It fits the step model to the loaded passes' steps (worker/profiler.py `fit(mean=True)`: the
+   mean step of each shape, slow steps included, since a queue waits for those too) and records
+   their spread around it (`step_time_ratios`).
+4. The control path, from the router's timelines set against the step logs and the load's own
+   records (loaded passes): `rpc_latency_s`, the mean of the median ways of a call, a submit's way
+   to an idle instance (admission to the start of its next step) and a poll answer's way back (that
+   step's start, where it publishes "prefill started", to the router's CONTEXT_IN_PROGRESS);
+   `frontend_latency_s`, the mean of the median ways in (client send to admission) and out (the
+   router's first token to the client's); `handover_fixed_s`, the median TRANSMISSION to
+   GENERATING less the link model's time for the request's KV bytes (0 where nothing is handed over).
+
+The profile's `fit` records all of it: the configuration, the passes and their fits, the
+percentiles of every control-path measurement, the host's load average before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind
+from cluster.sim.capacity import cluster_rps
+from cluster.sim.link import DATA_PLANES
+from cluster.sim.profile import StepProfile
+from worker.protocol import InstanceRole
+
+HANDOVER_PLANE = "grpc-loopback"  # the link model whose time the hand-over's control path excludes
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """`num_requests` fixed-shape requests: `concurrency` at once (the first pass), or Poisson
+    arrivals at `load` x the cluster's capacity as the first pass's fit estimates it (the second)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    num_requests: int
+    concurrency: int | None = None
+    load: float | None = None
+
+
+# First pass: every shape, from one request alone to a full decode batch; fitted only to aim the
+# second. Second pass: Poisson loads at 70 % of that capacity, whose steps the profile is fitted to
+# (how much the processes of a small host slow each other depends on how busy they are: a profile
+# measured at saturation is too slow for a cluster run below it, one measured alone too fast).
+FIRST_PASS = (
+    CalibrationPoint(32, 2, 6, concurrency=1),
+    CalibrationPoint(128, 2, 6, concurrency=1),
+    CalibrationPoint(384, 2, 8, concurrency=2),
+    CalibrationPoint(1024, 2, 6, concurrency=2),
+    CalibrationPoint(64, 48, 8, concurrency=2),
+    CalibrationPoint(64, 48, 24, concurrency=8),
+    CalibrationPoint(96, 32, 48, concurrency=24),
+)
+SECOND_PASS = (
+    CalibrationPoint(384, 8, 48, load=0.7),
+    CalibrationPoint(192, 24, 48, load=0.7),
+    CalibrationPoint(96, 48, 48, load=0.7),
+    CalibrationPoint(704, 12, 48, load=0.7),  # decode at long contexts (what a step pays per context token)
+)
+# The loaded pass is repeated, each at 70 % of the capacity its predecessor's fit estimates, until
+# the estimate moves by less than SETTLED (at most MAX_LOADED_PASSES), so that the load the profile
+# is measured at approaches the load it predicts for rather than the first pass's guess of it; the
+# profile is fitted to the steps of all loaded passes.
+MAX_LOADED_PASSES = 3
+SETTLED = 0.15
+SPREAD_POINTS = 20  # quantiles of StepProfile.step_time_ratios
+TABLE_ROWS = 250  # fitted steps kept in the profile's fit.samples_table
+QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(512, 2, 4, concurrency=2), CalibrationPoint(48, 16, 8, concurrency=4))
+QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
+
+
+TOPOLOGIES = {  # the clusters bench/sim_validation.py runs
+    "1p1g": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}],
+    "2mixed": [{"role": "MIXED", "count": 2}],
+}
+
+
+def default_config(topology: str = "1p1g") -> ClusterConfig:
+    """The cluster bench/sim_validation.py runs as `topology`: built-in model, float32 on the CPU,
+    each instance a Ray actor with num_cpus 0.5 and 1 torch thread, on a 2-CPU embedded Ray."""
+    return ClusterConfig.from_dict({
+        "dtype": "float32", "device": "cpu",
+        "instances": [dict(group, num_cpus=0.5, torch_threads=1) for group in TOPOLOGIES[topology]],
+        "engine": {"num_blocks": 1024, "tokens_per_block": 16, "max_num_tokens": 512, "chunk_unit_tokens": 256,
+                   "max_num_requests": 32, "max_batch_size": 32},
+        "frontend": {"port": 0, "metrics_port": None, "http_port": 0},
+        "ray": {"num_cpus": 2},
+        "seed": 0,
+    })
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {"n": len(ordered), "p10": ordered[len(ordered) // 10], "p50": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))]}
+
+
+def _handover_seconds(timeline_path: Path, tokens_per_block: int, kv_bytes_per_token: int, since_s: float) -> list[float]:
+    """Per disaggregated request admitted at or after wall-clock `since_s`: TRANSMISSION to
+    GENERATING in the router's timeline, less the link model's time for its KV bytes."""
+    link = DATA_PLANES[HANDOVER_PLANE]
+    out = []
+    if not timeline_path.exists():
+        return out
+    for line in timeline_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        times = {entry["state"]: entry["time_s"] for entry in record.get("timeline", ())}
+        if "TRANSMISSION" not in times or "GENERATING" not in times or times.get("QUEUED", 0.0) < since_s:
+            continue
+        prompt = record.get("usage", {}).get("prompt_tokens", 0)
+        num_bytes = math.ceil(prompt / tokens_per_block) * tokens_per_block * kv_bytes_per_token
+        out.append(max(0.0, times["GENERATING"] - times["TRANSMISSION"] - link.transfer_s(num_bytes)))
+    return out
+
+
+class _WallClock:
+    """time.time for a LoadRunner, remembering its first reading: the run's start, so that its
+    records (seconds since the start) can be set against the router's wall-clock timelines."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+
+    def __call__(self) -> float:
+        now = time.time()
+        if self.first is None:
+            self.first = now
+        return now
+
+
+@dataclass
+class _PointRun:
+    point: CalibrationPoint
+    started_s: float  # wall clock
+    ended_s: float
+    records: tuple[Any, ...]  # RequestRecord
+
+
+def _timelines(timeline_path: Path) -> list[dict[str, Any]]:
+    """Per ended request: its first time in each global state (wall clock), its prompt length
+    ("prompt_tokens") and the instance that ran its context ("context_instance")."""
+    out = []
+    if not timeline_path.exists():
+        return out
+    for line in timeline_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        times: dict[str, Any] = {}
+        for entry in record.get("timeline", ()):
+            times.setdefault(entry["state"], entry["time_s"])
+            if entry["state"] == "CONTEXT_IN_PROGRESS":
+                times.setdefault("context_instance", entry.get("instance_id") or "")
+        times["prompt_tokens"] = record.get("usage", {}).get("prompt_tokens", 0)
+        times["end"] = record["timeline"][-1]["time_s"] if record.get("timeline") else 0.0
+        out.append(times)
+    return out
+
+
+def _frontend(runs: list[_PointRun], timelines: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """From each point's records matched in order with the timelines of the requests the router
+    admitted meanwhile: the front end's way in (sent to QUEUED) and its way out (the router's first
+    token to the client's: GENERATION_INIT, or GENERATING when colocated)."""
+    ways_in, ways_out = [], []
+    for run in runs:
+        admitted = sorted((t for t in timelines if run.started_s <= t.get("QUEUED", 0.0) <= run.ended_s), key=lambda t: t["QUEUED"])
+        records = sorted((r for r in run.records if r.ok and r.chunk_times_s), key=lambda r: r.sent_s)
+        if len(admitted) != len(records):
+            continue  # a request failed or was retried: no safe matching
+        for record, times in zip(records, admitted, strict=True):
+            ways_in.append(times["QUEUED"] - (run.started_s + record.sent_s))
+            first = times.get("GENERATION_INIT", times.get("GENERATING"))
+            if first is not None:
+                ways_out.append(run.started_s + record.chunk_times_s[0] - first)
+    return ways_in, ways_out
+
+
+def _calls(timelines: list[dict[str, Any]], steps_dir: Path, since_s: float) -> tuple[list[float], list[float]]:
+    """The router's calls as its instances saw them, for requests admitted at or after `since_s`
+    while the instance that ran their context was idle: the submit's way there (QUEUED to the start
+    of that instance's next step) and a poll's answer's way back (that step's start, where it
+    publishes "prefill started", to CONTEXT_IN_PROGRESS)."""
+    steps: dict[str, list[tuple[float, float]]] = {}
+    for path in steps_dir.glob("*.jsonl"):
+        spans = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                spans.append((record["t"] - record["loop_s"], record["t"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        steps[path.stem] = sorted(spans)
+    ways_there, ways_back = [], []
+    for times in timelines:
+        queued, started, instance = times.get("QUEUED"), times.get("CONTEXT_IN_PROGRESS"), times.get("context_instance")
+        if queued is None or started is None or queued < since_s or instance not in steps:
+            continue
+        spans = steps[instance]
+        index = bisect.bisect_left(spans, (queued, queued))
+        if index and spans[index - 1][1] > queued:
+            continue  # a step was running when the request came: it waited for the instance
+        if index == len(spans) or spans[index][0] > started:
+            continue
+        ways_there.append(spans[index][0] - queued)
+        ways_back.append(started - spans[index][0])
+    return ways_there, ways_back
+
+
+def _spread(samples: list[Any], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
+    """Measured / modelled time of each step, at the quantiles (i + 0.5) / points, scaled so that
+    their mean is 1 (the fit meets the mean step; the spread is only how steps scatter around it)."""
+    ratios = sorted(s.step_s / profile.step_s(s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens) for s in samples)
+    picked = [ratios[min(len(ratios) - 1, int((i + 0.5) / points * len(ratios)))] for i in range(points)]
+    mean = sum(picked) / len(picked)
+    return [round(r / mean, 4) for r in picked]
+
+
+def measure_deployed(
+    config: ClusterConfig | None = None,
+    *,
+    name: str,
+    quick: bool = False,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Deploy `config`, serve the calibration load, and return the fitted profile document."""
+    from cluster.client.sdk import AsyncDuetClient
+    from cluster.deploy.embedded import BackgroundCluster
+    from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
+    from cluster.loadgen.runner import LoadRunner, SamplingSpec
+    from cluster.loadgen.workloads import build_workload
+    from cluster.router.instance_client import RayInstanceClient
+    from worker.profiler import fit, read_step_logs
+
+    config = config or default_config()
+    first_pass, second_pass = (QUICK_FIRST_PASS, QUICK_SECOND_PASS) if quick else (FIRST_PASS, SECOND_PASS)
+    engine = config.engine_config(config.instances[0])
+    counts = {role: sum(g.count for g in config.instances if g.role is role) for role in InstanceRole}
+    load_before = _load_average()
+    runs: list[_PointRun] = []
+
+    def capacity_of(profile: StepProfile, point: CalibrationPoint) -> float:
+        return cluster_rps(
+            profile, engine, num_prefill=counts[InstanceRole.PREFILL], num_generation=counts[InstanceRole.GENERATION],
+            num_mixed=counts[InstanceRole.MIXED], mean_prompt_tokens=point.prompt_tokens, mean_output_tokens=point.output_tokens,
+        )
+
+    with tempfile.TemporaryDirectory(prefix="duet-profile-") as tmp:
+        steps_dir = Path(tmp) / "steps"
+        timeline_path = Path(tmp) / "timelines.jsonl"
+        deployed = msgspec.structs.replace(
+            config, step_log_dir=str(steps_dir), frontend=msgspec.structs.replace(config.frontend, timeline_log=str(timeline_path))
+        )
+        progress("deploying the cluster ...")
+        with BackgroundCluster(deployed) as cluster:
+
+            async def serve(points: tuple[CalibrationPoint, ...], provisional: StepProfile | None, tag: str) -> None:
+                client = AsyncDuetClient(cluster.target)
+                try:
+                    if provisional is None:  # first calls: channels, allocator, caches
+                        await LoadRunner(client).warmup(build_workload(WorkloadConfig(num_requests=4, input_len=64, output_len=4), 99))
+                    for index, point in enumerate(points):
+                        workload = WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=point.num_requests,
+                                                  input_len=point.prompt_tokens, output_len=point.output_tokens)
+                        if point.concurrency is not None:
+                            arrivals: Any = FixedConcurrency(point.concurrency)
+                        else:
+                            assert provisional is not None and point.load is not None
+                            arrivals = PoissonArrivals(point.load * capacity_of(provisional, point))
+                        progress(f"{tag} {index + 1}/{len(points)}: {point.prompt_tokens} prompt / {point.output_tokens} output tokens, {arrivals.label}")
+                        clock = _WallClock()
+                        outcome = await LoadRunner(client, SamplingSpec(), clock=clock).run(build_workload(workload, index), arrivals, seed=index)
+                        assert clock.first is not None
+                        runs.append(_PointRun(point, clock.first, time.time(), outcome.records))
+                finally:
+                    await client.close()
+
+            asyncio.run(serve(first_pass, None, "first pass"))
+            info = cluster.run(RayInstanceClient(*next(iter(cluster.deployment.actors.items()))).get_info())
+            layout = info.layout
+            kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
+            first_samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")))
+            if len(first_samples) < 8:
+                raise RuntimeError(f"the deployment logged {len(first_samples)} steps in the first pass; too few to fit")
+            coefficients_first, _ = fit(first_samples, trim_fraction=0.0, mean=True)
+
+            def as_profile(coefficients: dict[str, float]) -> StepProfile:
+                return StepProfile("provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients)
+
+            def capacities(profile: StepProfile) -> list[float]:
+                return [capacity_of(profile, point) for point in second_pass]
+
+            provisional = as_profile(coefficients_first)
+            pass_fits = []
+            second_s = time.time()
+            for number in range(1 if quick else MAX_LOADED_PASSES):
+                pass_s = time.time()
+                asyncio.run(serve(second_pass, provisional, f"loaded pass {number + 1}"))
+                samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=pass_s)
+                if len(samples) < 8:
+                    raise RuntimeError(f"the deployment logged {len(samples)} steps in a loaded pass; too few to fit")
+                coefficients, _ = fit(samples, trim_fraction=0.0, mean=True)
+                fitted = as_profile(coefficients)
+                moved = max(abs(new / old - 1) for new, old in zip(capacities(fitted), capacities(provisional), strict=True))
+                pass_fits.append({"coefficients": coefficients, "capacity_moved": round(moved, 4)})
+                provisional = fitted
+                if moved < SETTLED:
+                    break
+            # The profile: every loaded pass's steps (each pass's own fit is noisy on a shared host).
+            samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=second_s)
+            coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
+            ratios = _spread(samples, as_profile(coefficients))
+        handovers = _handover_seconds(timeline_path, engine.tokens_per_block, kv_bytes_per_token, second_s)
+        timelines = _timelines(timeline_path)
+        calls = _calls(timelines, steps_dir, second_s)
+    coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
+    ways_in, ways_out = _frontend(runs, timelines)
+    way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
+    call_there, call_back = (_percentiles(ways) for ways in calls)
+    handover = _percentiles(handovers)
+    groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
+    return {
+        "format": "duet.step_profile.v1",
+        "name": name,
+        "source": "measured",
+        "device": f"cpu as deployed: {groups} on a {config.ray.num_cpus or os.cpu_count()}-CPU Ray, {os.cpu_count()}-core host",
+        "model": "builtin" if config.model is None else Path(config.model).name,
+        **coefficients,
+        "handover_fixed_s": handover.get("p50", 0.0),
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "combine": "sum",
+        "step_time_ratios": ratios,
+        "rpc_latency_s": (call_there["p50"] + call_back["p50"]) / 2 if call_there and call_back else None,
+        "frontend_latency_s": (way_in["p50"] + way_out["p50"]) / 2 if way_in and way_out else None,
+        "notes": (
+            "measured as deployed by duet profile --deployed (cluster/sim/deployed.py): each instance's own steps "
+            "(start to outputs handed on) while the cluster served the calibration load through the gRPC front end, "
+            "fitted to the mean step of each shape (the second pass, at 70 % of the first pass's capacity estimate); "
+            "rpc_latency_s is the mean of the median ways of the router's calls (second pass, requests that found "
+            "their prefill instance idle): a submit's way there (admission to the instance's next step) and a poll's "
+            "answer's way back (that step's start to the router hearing the prefill started); "
+            "frontend_latency_s the mean of the median ways in (client send to admission) and out (the router's "
+            "first token to the client's); handover_fixed_s is the median TRANSMISSION-to-GENERATING "
+            f"time of the router's timelines less the {HANDOVER_PLANE} link time of the request's KV"
+        ),
+        "fit": {
+            **quality,
+            "dtype": config.dtype,
+            "deployment": {"instances": groups, "engine": dict(config.engine), "ray_num_cpus": config.ray.num_cpus},
+            "first_pass": [point.__dict__ for point in first_pass],
+            "loaded_pass": [point.__dict__ for point in second_pass],
+            "first_pass_fit": coefficients_first,
+            "loaded_pass_fits": pass_fits,
+            "call_way_there_s": call_there,
+            "call_way_back_s": call_back,
+            "frontend_way_in_s": way_in,
+            "frontend_way_out_s": way_out,
+            "handover_control_s": handover,
+            "load_average_before": load_before,
+            "load_average_after": _load_average(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            # Every `samples_table_every`-th fitted step (a few thousand would make the file large).
+            "samples_table_every": max(1, math.ceil(len(samples) / TABLE_ROWS)),
+            "samples_table": [
+                [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7)]
+                for s in samples[:: max(1, math.ceil(len(samples) / TABLE_ROWS))]
+            ],
+        },
+    }
+

@@ -1,0 +1,205 @@
+"""A profile measured as deployed (cluster/sim/deployed.py) and the control path it carries: the
+instances' step logs (worker/profiler.py StepLog) and how they are read and fitted, and the
+simulator's use of the measured call and front-end latencies (cluster/sim/cluster.py SimSettings,
+cluster/sim/client.py). Deterministic: virtual time and synthetic steps, no timing assertions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.deploy.config import ClusterConfig
+from cluster.loadgen.arrivals import PoissonArrivals
+from cluster.loadgen.workloads import WorkloadConfig, build_workload
+from cluster.sim.cluster import DEFAULT_RPC_LATENCY_S, SimSettings, build_instances, simulate
+from cluster.sim.link import DATA_PLANES
+from cluster.sim.profile import ProfileError, StepProfile, context_pairs
+
+PROFILE = StepProfile(
+    name="test", source="measured", device="test", model="test", step_overhead_s=1e-3, prefill_s_per_token=2e-5,
+    prefill_s_per_token_pair=1e-8, decode_s_per_sequence=2e-4, decode_s_per_context_token=1e-7,
+    handover_fixed_s=1e-3, kv_bytes_per_token=4096,
+)
+
+
+def _cluster(groups: list[tuple[str, int]]) -> ClusterConfig:
+    return ClusterConfig.from_dict({
+        "instances": [{"role": role, "count": count} for role, count in groups],
+        "engine": {"num_blocks": 512, "max_batch_size": 16, "max_num_requests": 16},
+    })
+
+
+def _requests(count: int = 12):
+    return build_workload(WorkloadConfig(num_requests=count, input_len=96, output_len=12), 0)
+
+
+def test_measured_control_path_fields_round_trip_and_are_checked() -> None:
+    measured = dataclasses.replace(PROFILE, rpc_latency_s=1.5e-3, frontend_latency_s=0.7e-3)
+    again = StepProfile.from_dict(json.loads(json.dumps(measured.to_dict())))
+    assert (again.rpc_latency_s, again.frontend_latency_s) == (1.5e-3, 0.7e-3)
+    assert StepProfile.from_dict(PROFILE.to_dict()).rpc_latency_s is None  # older profiles: not measured
+    with pytest.raises(ProfileError, match="rpc_latency_s"):
+        dataclasses.replace(PROFILE, rpc_latency_s=-1.0)
+    with pytest.raises(ProfileError, match="frontend_latency_s"):
+        dataclasses.replace(PROFILE, frontend_latency_s="fast")
+
+
+def test_the_profile_s_measured_call_latency_applies_unless_the_settings_name_one() -> None:
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)])
+    assert SimSettings(PROFILE).rpc_s == DEFAULT_RPC_LATENCY_S and SimSettings(PROFILE).frontend_s == 0.0
+    measured = dataclasses.replace(PROFILE, rpc_latency_s=2e-3, frontend_latency_s=1e-3)
+    instances, _ = build_instances(config, SimSettings(measured))
+    assert {instance.rpc_latency_s for instance in instances} == {2e-3}
+    instances, _ = build_instances(config, SimSettings(measured, rpc_latency_s=0.0, frontend_latency_s=0.0))
+    assert {instance.rpc_latency_s for instance in instances} == {0.0}
+    assert SimSettings(measured).frontend_s == 1e-3
+
+
+def test_a_slower_call_latency_delays_every_first_token() -> None:
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)])
+    fast = simulate(config, SimSettings(PROFILE, DATA_PLANES["grpc-loopback"], rpc_latency_s=0.5e-3), _requests(), PoissonArrivals(5.0))
+    slow = simulate(config, SimSettings(PROFILE, DATA_PLANES["grpc-loopback"], rpc_latency_s=3e-3), _requests(), PoissonArrivals(5.0))
+    pairs = zip(fast.point.outcome.records, slow.point.outcome.records, strict=True)
+    # At least a submit and a poll's answer stand between a request and its first token.
+    assert all(b.ttft_s >= a.ttft_s + 2 * (3e-3 - 0.5e-3) - 1e-9 for a, b in pairs)
+
+
+def test_the_front_end_latency_is_paid_on_the_way_in_and_on_every_message_out() -> None:
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)])
+    latency_s = 4e-3
+    direct = simulate(config, SimSettings(PROFILE, frontend_latency_s=0.0), _requests(), PoissonArrivals(5.0))
+    fronted = simulate(config, SimSettings(PROFILE, frontend_latency_s=latency_s), _requests(), PoissonArrivals(5.0))
+    for a, b in zip(direct.point.outcome.records, fronted.point.outcome.records, strict=True):
+        # The same run shifted by the way in; each message arrives one way out later (not queued
+        # behind the previous message's delay): TTFT and e2e grow by both ways, TPOT not at all.
+        assert b.ttft_s == pytest.approx(a.ttft_s + 2 * latency_s, abs=1e-9)
+        assert b.e2e_s == pytest.approx(a.e2e_s + 2 * latency_s, abs=1e-9)
+        assert b.tpot_s == pytest.approx(a.tpot_s, abs=1e-9)
+        assert len(b.chunk_times_s) == len(a.chunk_times_s)
+    assert fronted.point.metrics.completed == len(_requests())
+
+
+def test_step_logs_are_read_from_a_given_time_with_the_loop_s_or_the_engine_s_seconds(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from worker.profiler import StepLog, read_step_logs
+
+    path = tmp_path / "steps" / "prefill-0.jsonl"
+    log = StepLog(path)
+
+    class Recorder:  # what the runner seam recorded of the step's batch
+        last: tuple[int, int, int, int] | None = None
+
+    log.recorder = Recorder()  # type: ignore[assignment]
+    log.recorder.last = (32, context_pairs(0, 32), 0, 0)
+    log.record(0.010, 0.011)
+    log.record(0.5, 0.5)  # no forward pass since the last record: nothing written
+    log.recorder.last = (0, 0, 4, 400)
+    log.record(0.002, 0.003)
+    log.close()
+    with path.open("a") as file:
+        file.write('{"t": 1, "ctx": 3')  # a line cut by a kill
+    samples = read_step_logs([path])
+    assert [(s.context_tokens, s.decode_sequences, s.step_s) for s in samples] == [(32, 0, 0.011), (0, 4, 0.003)]
+    assert [s.step_s for s in read_step_logs([path], seconds="s")] == [0.010, 0.002]
+    last_t = json.loads(path.read_text().splitlines()[1])["t"]
+    assert [s.decode_sequences for s in read_step_logs([path], since_s=last_t)] == [4]
+
+
+def test_the_mean_fit_meets_the_mean_step_where_the_default_fit_meets_the_fast_ones() -> None:
+    pytest.importorskip("torch")
+    from worker.profiler import StepSample, fit
+
+    samples = []
+    for seqs in (1, 4, 16):
+        fast = 1e-3 + 1e-4 * seqs
+        for slow_factor in (1.0, 1.0, 3.0):  # every third step of each shape was slowed down (shared cores)
+            samples.append(StepSample(0, 0, seqs, 0, fast * slow_factor))
+    mean_fit, _ = fit(samples, trim_fraction=0.0, mean=True)
+    typical_fit, _ = fit(samples, trim_fraction=0.0)
+    for seqs in (1, 4, 16):
+        fast = 1e-3 + 1e-4 * seqs
+        assert mean_fit["step_overhead_s"] + mean_fit["decode_s_per_sequence"] * seqs == pytest.approx(fast * 5 / 3, rel=1e-6)
+        assert typical_fit["step_overhead_s"] + typical_fit["decode_s_per_sequence"] * seqs < fast * 5 / 3 * 0.9
+
+
+def test_an_instance_logs_each_step_it_runs_with_its_batch(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+
+
+    from worker.engine_types import EngineConfig
+    from worker.instance import Instance, InstanceSpec
+    from worker.profiler import read_step_logs
+    from worker.protocol import (
+        Decoder,
+        Encoder,
+        InstanceRole,
+        Poll,
+        PollBatch,
+        Reply,
+        RequestType,
+        Submit,
+        SubmitRequest,
+    )
+    from worker.sampling import SamplingParams
+
+    path = tmp_path / "m0.jsonl"
+    engine = EngineConfig(role=InstanceRole.MIXED, num_blocks=16, tokens_per_block=16)
+    instance = Instance(InstanceSpec("m0", engine, dtype="float32", device="cpu", torch_threads=1, step_log=str(path)))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        request = SubmitRequest("r", tuple(range(40, 60)), params, RequestType.CONTEXT_AND_GENERATION)
+        instance.handle(Encoder().encode(Submit(request)))
+        deadline = time.monotonic() + 60
+        finished = False
+        while not finished and time.monotonic() < deadline:
+            batch = Decoder(Reply).decode(instance.handle(Encoder().encode(Poll(1.0))))
+            assert isinstance(batch, PollBatch)
+            finished = any(output.finished for output in batch.outputs)
+        assert finished
+    finally:
+        instance.shutdown()
+    samples = read_step_logs([path])
+    # The context (20 tokens), then three single-request decode steps at a growing context.
+    assert [(s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens) for s in samples] == [
+        (20, context_pairs(0, 20), 0, 0), (0, 0, 1, 21), (0, 0, 1, 22), (0, 0, 1, 23),
+    ]
+    assert all(s.step_s > 0 for s in samples)
+
+
+def test_a_step_with_context_pays_the_context_step_cost_and_a_decode_step_does_not() -> None:
+    with_cost = dataclasses.replace(PROFILE, context_step_s=0.05)
+    assert with_cost.step_s(96, context_pairs(0, 96), 0, 0) == pytest.approx(PROFILE.step_s(96, context_pairs(0, 96), 0, 0) + 0.05)
+    assert with_cost.step_s(0, 0, 4, 400) == PROFILE.step_s(0, 0, 4, 400)
+    # Applied by the simulated instances: requests far apart, each prefilled in one step of its own.
+    config = _cluster([("MIXED", 1)])
+    plain = simulate(config, SimSettings(PROFILE), _requests(6), PoissonArrivals(1.0))
+    costly = simulate(config, SimSettings(with_cost), _requests(6), PoissonArrivals(1.0))
+    for a, b in zip(plain.point.outcome.records, costly.point.outcome.records, strict=True):
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.05, abs=1e-9)
+        assert b.tpot_s == pytest.approx(a.tpot_s, abs=1e-9)
+
+
+def test_a_profile_s_spread_scales_each_simulated_step_by_a_seeded_draw() -> None:
+    spread = dataclasses.replace(PROFILE, step_time_ratios=(0.5, 1.0, 1.5))
+    assert [spread.step_factor(u) for u in (0.0, 1 / 6, 0.25, 0.5, 5 / 6, 0.99)] == pytest.approx([0.5, 0.5, 0.625, 1.0, 1.5, 1.5])
+    assert PROFILE.step_factor(0.3) == 1.0  # no spread listed: the model's time
+    assert StepProfile.from_dict(json.loads(json.dumps(spread.to_dict()))) == spread
+    with pytest.raises(ProfileError, match="step_time_ratios"):
+        dataclasses.replace(PROFILE, step_time_ratios=(1.5, 0.5))
+    config = _cluster([("MIXED", 1)])
+    # Every step twice the model's: a lone request's TTFT is its one prefill step, doubled.
+    plain = simulate(config, SimSettings(PROFILE, rpc_latency_s=0.0), _requests(6), PoissonArrivals(1.0))
+    doubled = simulate(config, SimSettings(dataclasses.replace(PROFILE, step_time_ratios=(2.0,)), rpc_latency_s=0.0), _requests(6), PoissonArrivals(1.0))
+    for a, b in zip(plain.point.outcome.records, doubled.point.outcome.records, strict=True):
+        assert b.ttft_s == pytest.approx(2 * a.ttft_s, abs=1e-9)
+        assert b.tpot_s == pytest.approx(2 * a.tpot_s, abs=1e-9)
+    # A spread: steps differ from one another, and a rerun with the same seed is the same run.
+    first = simulate(config, SimSettings(spread), _requests(6), PoissonArrivals(1.0))
+    again = simulate(config, SimSettings(spread), _requests(6), PoissonArrivals(1.0))
+    assert [r.chunk_times_s for r in first.point.outcome.records] == [r.chunk_times_s for r in again.point.outcome.records]
+    gaps = [b - a for r in first.point.outcome.records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)]
+    assert max(gaps) > 2 * min(gaps)
