@@ -64,6 +64,7 @@ _CAUSES = (
     (re.compile(r"restarted"), "instance_died"),
     (re.compile(r"exceeded its"), "stage_timeout"),
     (re.compile(r"unavailable"), "instance_unavailable"),
+    (re.compile(r"no (healthy |prefill |generation )*instance"), "no_instance"),
 )
 _ACTIONS = (
     ("retry transfer", "retry_transfer"),

@@ -329,6 +329,7 @@ def test_recovery_details_are_read_from_the_router_timeline() -> None:
     assert recovery_cause("instance prefill-1 died: silent for 3.4s") == "instance_died"
     assert recovery_cause("GENERATION_INIT exceeded its 10.0s stage timeout") == "stage_timeout"
     assert recovery_cause("prefill-0 unavailable: prefill-0: ActorUnavailableError") == "instance_unavailable"
+    assert recovery_cause("waiting up to 60s for a healthy instance (no generation instance for the hand-over)") == "no_instance"
     timeline = _timeline(
         ("CONTEXT_WAIT", "kv_aware: cost 3"),
         ("CONTEXT_WAIT", "re-run prefill (KV transfer failed: PEER_UNAVAILABLE: closed)"),
