@@ -20,13 +20,12 @@ blocks, no variable-window attention).
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from scheduler.block_hash import _ROOT, BLOCK_HASH_BYTES, _lora_bytes
+from scheduler.block_hash import _ROOT, BLOCK_HASH_BYTES, _lora_bytes, block_packer
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -218,6 +217,9 @@ class BlockManager:
         self._max_token_num = config.max_token_num
         self._max_attention_window = config.max_attention_window
         self._sink_token_len = config.sink_token_len
+        # A full block's tokens as scheduler/block_hash.py packs them, compiled once (every
+        # published block is packed and hashed: hundreds per request).
+        self._pack_block = block_packer(config.tokens_per_block)
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -326,9 +328,11 @@ class BlockManager:
         keys = request.block_keys
         if keys is None:
             tpb = self.tokens_per_block
-            tokens = request.tokens[0]
             prompt_len = request.prompt_len
-            keys = [tuple(tokens[start : start + tpb]) for start in range(0, prompt_len - tpb + 1, tpb)]
+            # The prompt's full blocks as tuples: zip over one iterator `tpb` times takes the
+            # tokens tpb at a time (without a slice and a tuple per block).
+            tokens = iter(request.tokens[0][: prompt_len - prompt_len % tpb])
+            keys = list(zip(*([tokens] * tpb), strict=True))
             request.block_keys = keys
             request.block_digests = None
         return keys
@@ -521,6 +525,9 @@ class BlockManager:
             self._walk_epoch += 1  # a walk of this task that found no root is stale now
         parent = root
         created = 0
+        node_of_block = self._node_of_block
+        record_events = self.config.record_events
+        pack, blake2b, events, stored = self._pack_block, hashlib.blake2b, self._events, PrefixEventKind.STORED
         for index in range(count):
             key = keys[index]
             digest = digests[index]
@@ -529,19 +536,17 @@ class BlockManager:
                 break  # a chain-hash collision: leave this prefix unpublished
             if node is None:
                 block = blocks[index]
-                if block in self._node_of_block:
+                if block in node_of_block:
                     # This block already stands for other content (cannot happen for prompt blocks
                     # of one request, but never let one block carry two meanings).
                     break
                 node = _ReuseNode(key, digest, block, parent)
                 parent.children[digest] = node
-                self._node_of_block[block] = node
+                node_of_block[block] = node
                 created += 1
-                if self.config.record_events:
-                    node.digest = hashlib.blake2b(
-                        parent.digest + struct.pack(f"<{len(key)}q", *key), digest_size=BLOCK_HASH_BYTES
-                    ).digest()
-                    self._events.append(PrefixEvent(PrefixEventKind.STORED, int.from_bytes(node.digest, "little")))
+                if record_events:
+                    node.digest = blake2b(parent.digest + pack(*key), digest_size=BLOCK_HASH_BYTES).digest()
+                    events.append(PrefixEvent(stored, int.from_bytes(node.digest, "little")))
             parent = node
         return created
 
