@@ -31,8 +31,6 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from cluster.router.instance_client import InstanceRejected, InstanceUnavailable
 from cluster.sim.link import Network
 from cluster.sim.profile import StepProfile, context_pairs
@@ -63,6 +61,8 @@ from worker.protocol import (
 from worker.stopping import FinishReason
 
 S = LlmRequestState
+_CONTEXT_INIT = S.CONTEXT_INIT
+_CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
 BLOCKS_PER_CHUNK = 4  # transfer chunks a fault plan's chunk rules count (worker/kv_transfer/plan.py order)
 _transfer_ids = itertools.count(1)
 
@@ -84,6 +84,27 @@ class _Request:
     pending_push: tuple[str, str, float, str] | None = None
     finished: bool = False
     expiry: asyncio.TimerHandle | None = None  # its lease or reservation timer, cancelled when it ends
+
+
+class _HeldTokens:
+    """A request's token output held for the stream interval: the tokens of consecutive steps are
+    appended here and become one RequestOutput when the mail is taken (building a new output per
+    merged token cost a struct per token)."""
+
+    __slots__ = ("request_id", "tokens", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens")
+
+    def __init__(self, request_id: str, tokens: list[int], num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> None:
+        self.request_id = request_id
+        self.tokens = tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = num_output_tokens
+        self.num_cached_tokens = num_cached_tokens
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id, tuple(self.tokens), "", num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens,
+        )
 
 
 @dataclass
@@ -161,8 +182,8 @@ class SimInstance:
         self.scheduler = TwoLevelScheduler(cfg.scheduler_config(), self.blocks)
         self._requests: dict[str, _Request] = {}
         self._active: list[LlmRequest] = []
-        self._outputs: list[RequestOutput] = []
-        self._merge: dict[str, int] = {}  # request id -> index in _outputs of its held token output
+        self._outputs: list[RequestOutput | _HeldTokens] = []
+        self._merge: dict[str, _HeldTokens] = {}  # request id -> its held token output (in _outputs)
         self._urgent = False  # _outputs holds something that is not held (stream_interval_s)
         self._flush_at: float | None = None
         self._events: list[StateEvent] = []
@@ -353,7 +374,9 @@ class SimInstance:
 
     def _take_mail(self) -> PollBatch:
         outputs, self._outputs = self._outputs, []
-        self._merge.clear()
+        if self._merge:
+            outputs = [output.output() if type(output) is _HeldTokens else output for output in outputs]
+            self._merge.clear()
         self._urgent = False
         events, self._events = self._events, []
         reservations, self._reservations = self._reservations, []
@@ -398,19 +421,20 @@ class SimInstance:
         rid = request.submit.request_id
         interval = self.stream_interval_s
         if interval and not fields:
-            index = self._merge.get(rid)
-            if index is not None:  # merge into the held output of this request
-                held = self._outputs[index]
-                self._outputs[index] = msgspec.structs.replace(
-                    held, new_token_ids=held.new_token_ids + tokens, num_output_tokens=request.num_outputs
-                )
+            held = self._merge.get(rid)
+            if held is not None:  # merge into the held output of this request
+                held.tokens.extend(tokens)
+                held.num_output_tokens = request.num_outputs
                 return
-            self._merge[rid] = len(self._outputs)
+            self._merge[rid] = held = _HeldTokens(
+                rid, list(tokens), len(request.submit.prompt_token_ids), request.num_outputs, request.num_cached_tokens
+            )
+            self._outputs.append(held)
             if self._flush_at is None:
                 self._flush_at = self._now() + interval
                 self._at(self._flush_at, self._flush)
-        else:
-            self._urgent = True
+            return
+        self._urgent = True
         self._outputs.append(
             RequestOutput(
                 rid, tokens, "",
@@ -479,18 +503,23 @@ class SimInstance:
         sampled = [llm for llm in schedule.context if llm.context_remaining_length == 0]
         sampled.extend(schedule.generation)
         self.stats.generated_tokens += len(sampled)
+        # Held outputs to merge this step's tokens into (stream_interval_s): the common case of a
+        # generating request's token, taken here without building a tuple and a call per token.
+        merge = self._merge if self.stream_interval_s else None
         for llm in sampled:
-            request = requests.get(llm.request_id)
+            rid = llm.request_id
+            request = requests.get(rid)
             if request is None or request.finished:
                 continue  # aborted during the step: its blocks are gone already
             state = llm.state
-            finishing_context = state is S.CONTEXT_INIT or state is S.DISAGG_CONTEXT_INIT_AND_TRANS
+            finishing_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
             if finishing_context and reuse:
                 self.blocks.store_context_blocks(llm)
             token = instant_token(request.seed, request.num_outputs, vocab)
-            llm.add_new_token(token)
+            tokens = llm.tokens[0]
+            tokens.append(token)  # llm.add_new_token(token)
             request.num_outputs += 1
-            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(llm.tokens[0]) >= max_seq_len:
+            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(tokens) >= max_seq_len:
                 self._finish(request, S.GENERATION_COMPLETE, token, FinishReason.LENGTH)
                 done.add(llm.request_id)
                 continue
@@ -506,6 +535,12 @@ class SimInstance:
                 continue
             if finishing_context:
                 self._set_state(request, S.GENERATION_IN_PROGRESS)
+            elif merge is not None:
+                held = merge.get(rid)
+                if held is not None:  # as _output merges it
+                    held.tokens.append(token)
+                    held.num_output_tokens = request.num_outputs
+                    continue
             self._output(request, (token,))
         if done:
             self._active = [llm for llm in self._active if llm.request_id not in done]
