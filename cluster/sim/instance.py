@@ -386,16 +386,17 @@ class SimInstance:
 
     def load(self) -> EngineLoad:
         """worker/engine.py Engine.load, computed the same way."""
-        queued = running = queued_tokens = in_flight = 0
+        queued = queued_tokens = in_flight = 0
         blocks = self.blocks
-        context_init = S.CONTEXT_INIT
-        for llm in self._active:
-            if llm.state is context_init and not blocks.has_sequence(llm.request_id):
+        sequences = blocks.sequences  # has_sequence, without a call per request (every poll walks them all)
+        active = self._active
+        for llm in active:
+            if llm.state is _CONTEXT_INIT and llm.request_id not in sequences:
                 queued += 1
                 queued_tokens += llm.prompt_len
             else:
-                running += 1
                 in_flight += len(llm.tokens[0])
+        running = len(active) - queued
         return EngineLoad(
             role=self.role,
             total_blocks=blocks.num_blocks,
