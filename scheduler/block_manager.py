@@ -608,6 +608,28 @@ class BlockManager:
             return effective_ctx - allocated + (gen_per_beam + extra) * beam_width
         return (total_per_beam - reusable_ctx - allocated + extra) * beam_width
 
+    def blocks_at_completion(self, request: LlmRequest) -> int:
+        """Blocks the request holds at its longest (prompt + max_new_tokens, every beam) alone in an
+        empty pool with nothing cached: `remaining_blocks_to_completion` of it before it starts, with
+        no reuse credit. More than `num_blocks` means it can never run to completion in this pool,
+        under any capacity policy: GUARANTEED_NO_EVICT never admits it, MAX_UTILIZATION runs out
+        of blocks and pauses it again and again."""
+        cfg = self.config
+        tpb = self.tokens_per_block
+        if cfg.is_cross_attention:
+            return _ceil_div(request.encoder_input_len or 0, tpb)
+        window = cfg.max_attention_window + cfg.temporary_attention_window
+        sink = cfg.sink_token_len
+        ctx_blocks = (min(request.prompt_len, window) + sink) // tpb
+        total_len = request.prompt_len + request.max_new_tokens
+        total_per_beam = _ceil_div(min(total_len, window) + sink, tpb)
+        extra = 0
+        if total_len > cfg.max_attention_window:
+            blocks_total = _ceil_div(total_len, tpb)
+            if blocks_total > _ceil_div(request.num_tokens(0), tpb) and blocks_total > total_per_beam:
+                extra = 1
+        return ctx_blocks + (total_per_beam - ctx_blocks + extra) * request.beam_width
+
     def needed_blocks_one_step(self, request: LlmRequest) -> int:
         """Blocks the request needs for its next step only (MAX_UTILIZATION)."""
         request.estimated_reusable_tokens = 0

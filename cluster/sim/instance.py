@@ -38,7 +38,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
-from worker.engine_types import EngineConfig
+from worker.engine_types import EngineConfig, kv_pool_refusal
 from worker.instant import instant_token
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
@@ -266,6 +266,9 @@ class SimInstance:
             max_new += 1  # the first token is in output_token_ids, not the context (worker/engine.py add_request)
         state = S.DISAGG_GENERATION_INIT if generation_only else S.CONTEXT_INIT
         llm = LlmRequest(rid, context, max_new, priority=request.priority, state=state)
+        refusal = kv_pool_refusal(self.blocks, llm)
+        if refusal is not None:  # as worker/engine.py add_request refuses it
+            raise InstanceRejected("sampling_params.max_tokens", refusal)
         self._requests[rid] = _Request(request, llm, params.seed or 0, produced)
         self._active.append(llm)
         self._event(rid, state, "submitted")
