@@ -25,7 +25,7 @@ import msgspec
 from cluster.cli.bench import add_workload_options
 from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_log_level, setup_logging
 from cluster.cli.sim import add_cluster_options, cluster_config, sim_settings
-from cluster.deploy.config import ClusterConfig
+from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.metrics import Slo, SloError
 from cluster.loadgen.report import envelope, render_table
 from cluster.loadgen.runner import SamplingSpec
@@ -36,7 +36,9 @@ from cluster.loadgen.workloads import (
     build_workload,
     load_sharegpt,
 )
+from cluster.sim.cluster import pool_shortfalls
 from cluster.sim.plan import POLICIES, CandidateResult, best, plan
+from worker.protocol import InstanceRole
 
 BENCH_NAME = "duet_plan"
 
@@ -138,6 +140,13 @@ def run(args: argparse.Namespace) -> int:
     requests = build_workload(workload, args.seed, dataset)
     base = cluster_config(argparse.Namespace(**{**vars(args), "instances": None}))
     settings = sim_settings(args, SamplingSpec(timeout_s=None), args.seed)
+    # Every role a candidate may use: a request refused at submission would count against every
+    # split alike and hide what the search compares.
+    roles = (InstanceRole.PREFILL, InstanceRole.GENERATION, InstanceRole.MIXED)
+    groups = [next((g for g in base.instances if g.role is role), InstanceGroup(role)) for role in roles]
+    shortfalls = pool_shortfalls(base, settings.profile, requests, groups)
+    if shortfalls:
+        raise CliError("; ".join(message for message, _count in shortfalls), EXIT_USAGE)
     out_dir = Path(args.out) if args.out else Path("plan-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

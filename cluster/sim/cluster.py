@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.deploy.config import ClusterConfig
+from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.arrivals import Arrivals
 from cluster.loadgen.metrics import Slo, compute_metrics
 from cluster.loadgen.runner import LoadRunner, PointResult, SamplingSpec
@@ -34,6 +34,7 @@ from cluster.sim.instance import SimInstance, SimNetwork
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkModel, Network
 from cluster.sim.profile import StepProfile
 from cluster.sim.vclock import run_virtual
+from worker.engine_types import EngineConfig
 from worker.kv_transfer.faults import FaultInjector
 from worker.tokenizer import ByteTokenizer
 
@@ -111,6 +112,39 @@ class SimOutcome:
             "leaked_blocks": self.leaked_blocks,
             "router": self.router,
         }
+
+
+def pool_blocks(engine: EngineConfig, profile: StepProfile) -> int:
+    """An instance's KV pool in blocks: engine.num_blocks, or what engine.kv_cache_bytes holds of
+    the profile's model."""
+    return engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
+
+
+def pool_shortfalls(
+    config: ClusterConfig, profile: StepProfile, requests: Sequence[BenchRequest], groups: Sequence[InstanceGroup] | None = None
+) -> list[tuple[str, int]]:
+    """For each instance group (default: the config's) whose KV pool cannot hold some of `requests`
+    at their longest (prompt + max_tokens; a follow-up turn's history not counted): a sentence
+    saying so, and how many. Those requests are refused at submission (worker/engine_types.py
+    kv_pool_refusal); this says it before a simulation runs."""
+    lengths = [
+        (len(r.prompt.encode()) if isinstance(r.prompt, str) else len(r.prompt)) + r.max_tokens for r in requests
+    ]
+    shortfalls = []
+    for group in groups if groups is not None else [g for g in config.instances if g.count]:
+        engine = config.engine_config(group)
+        blocks = pool_blocks(engine, profile)
+        capacity_tokens = blocks * engine.tokens_per_block
+        too_long = [length for length in lengths if length > capacity_tokens]
+        if too_long:
+            shortfalls.append((
+                f"a {group.role.name} instance's KV pool of {blocks} blocks ({capacity_tokens} tokens of {profile.model}) "
+                f"cannot hold {len(too_long)} of the {len(requests)} requests (prompt + max_tokens up to {max(too_long)} "
+                "tokens): they would be refused; raise engine.num_blocks or engine.kv_cache_bytes (--config), or shorten "
+                "the workload",
+                len(too_long),
+            ))
+    return shortfalls
 
 
 def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[SimInstance], SimNetwork]:

@@ -179,6 +179,25 @@ def test_duet_sim_names_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--profile", "nope"]) == 2
 
 
+def test_duet_sim_and_plan_say_when_the_kv_pool_cannot_hold_the_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    # The roofline Llama 3 8B profile at the default engine.kv_cache_bytes (256 MiB): 128 blocks of
+    # 16 tokens. Log-normal prompts around 1,200 tokens: some exceed the pool with their outputs.
+    workload = ["--workload", "lognormal", "--num-requests", "30", "--input-len", "1200", "--output-len", "64"]
+    cluster = ["--profile", "roofline:h100-sxm:llama-3-8b", "--out", str(tmp_path), "--no-plots"]
+    common = [*cluster, *workload]
+    assert main(["sim", "--instances", "1P,1G", "--rate", "2", "--no-progress", *common]) == 0
+    err = capsys.readouterr().err
+    assert "KV pool of 128 blocks (2048 tokens of llama-3-8b) cannot hold" in err and "engine.kv_cache_bytes" in err
+    assert main(["plan", "--instances", "2", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", *common]) == 2
+    assert "cannot hold" in capsys.readouterr().err
+    # No request fits: duet sim refuses to run.
+    assert main(["sim", "--instances", "1P,1G", "--rate", "2", "--no-progress", *cluster, "--workload", "fixed",
+                 "--num-requests", "5", "--input-len", "3000", "--output-len", "8"]) == 2
+    assert "holds none of the workload's requests" in capsys.readouterr().err
+
+
 def test_duet_plan_marks_the_best_split_and_writes_a_config_duet_serve_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
     from cluster.deploy.config import ClusterConfig
