@@ -173,7 +173,10 @@ async def simulate_async(
     slo: Slo | None = None,
     *,
     on_done: Any = None,
+    on_start: Any = None,
 ) -> SimOutcome:
+    """`on_done(record)` for each request as it ends; `on_start(loop_time_s)` when the first request
+    could be sent (the instances registered): the time the arrivals' offsets count from."""
     loop = asyncio.get_running_loop()
     wall_started = time.perf_counter()
     instances, network = build_instances(config, settings)
@@ -200,6 +203,8 @@ async def simulate_async(
         if death.restart_after_s is not None:
             loop.call_at(started_s + death.at_s + death.restart_after_s, instance.restart)
     runner = LoadRunner(RouterClient(router), settings.sampling, clock=loop.time, on_done=on_done)
+    if on_start is not None:
+        on_start(started_s)
     outcome = await runner.run(requests, arrivals, seed=settings.seed)
     virtual_s = loop.time() - started_s
     await router.stop()
