@@ -88,13 +88,15 @@ class _Request:
 
 class _HeldTokens:
     """A request's token output held for the stream interval: the tokens of consecutive steps are
-    appended here and become one RequestOutput when the mail is taken (building a new output per
-    merged token cost a struct per token)."""
+    appended here (not a new output per merged token) and become one RequestOutput when it goes out."""
 
-    __slots__ = ("request_id", "tokens", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens")
+    __slots__ = ("request_id", "first_s", "tokens", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens")
 
-    def __init__(self, request_id: str, tokens: list[int], num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> None:
+    def __init__(
+        self, request_id: str, first_s: float, tokens: list[int], num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
+    ) -> None:
         self.request_id = request_id
+        self.first_s = first_s  # when its first token was held: it is due an interval later
         self.tokens = tokens
         self.num_prompt_tokens = num_prompt_tokens
         self.num_output_tokens = num_output_tokens
@@ -158,6 +160,12 @@ class SimInstance:
         # of them (vLLM's and trtllm-serve's stream_interval). First tokens, ends, errors, state
         # events, reservations and push results are never held, so TTFT, TPOT and e2e are exact;
         # ITL is seen in chunks. It cuts the router's per-token work for very large simulations.
+        # A poll takes the held outputs that are due and those of requests with other mail in it;
+        # the others stay held. Polls come when they would if every held output went with each
+        # (a flush timer armed at a request's first held token since the last poll, a poll at the
+        # flush if anything was added since the last), so loads, events and every decision are
+        # those of that scheme, and a held output goes out with the first poll once it is due
+        # (within about two intervals of its first token when nothing else polls).
         self.stream_interval_s = stream_interval_s
         tpb = config.tokens_per_block
         num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (profile.kv_bytes_per_token * tpb))
@@ -184,6 +192,8 @@ class SimInstance:
         self._active: list[LlmRequest] = []
         self._outputs: list[RequestOutput | _HeldTokens] = []
         self._merge: dict[str, _HeldTokens] = {}  # request id -> its held token output (in _outputs)
+        self._merged_since_poll: set[str] = set()  # requests with a held token since the last poll
+        self._added_since_poll = False  # an output was added since the last poll
         self._urgent = False  # _outputs holds something that is not held (stream_interval_s)
         self._flush_at: float | None = None
         self._events: list[StateEvent] = []
@@ -371,21 +381,40 @@ class SimInstance:
 
     def _flush(self) -> None:
         self._flush_at = None
-        if self._outputs:
+        if self._added_since_poll:
             self._urgent = True
             self._wake()
 
     def _take_mail(self) -> PollBatch:
         outputs, self._outputs = self._outputs, []
         if self._merge:
-            outputs = [output.output() if type(output) is _HeldTokens else output for output in outputs]
-            self._merge.clear()
+            outputs = self._take_outputs(outputs)
+        self._merged_since_poll.clear()
+        self._added_since_poll = False
         self._urgent = False
         events, self._events = self._events, []
         reservations, self._reservations = self._reservations, []
         pushes, self._pushes = self._pushes, []
         self._sequence += 1
         return PollBatch(self.incarnation, self._sequence, tuple(outputs), tuple(events), tuple(reservations), tuple(pushes), self.load())
+
+    def _take_outputs(self, outputs: list[RequestOutput | _HeldTokens]) -> list[RequestOutput]:
+        """What a poll takes of the outputs (in order): every one not held, the held ones that are due,
+        and those of requests with other mail in this poll (they go before it, in order); the rest
+        stay held."""
+        due_s = self._now() - self.stream_interval_s
+        with_mail = {output.request_id for output in outputs if type(output) is not _HeldTokens}
+        with_mail.update(event.request_id for event in self._events)
+        taken: list[RequestOutput] = []
+        for output in outputs:
+            if type(output) is not _HeldTokens:
+                taken.append(output)
+            elif output.first_s <= due_s or output.request_id in with_mail:
+                taken.append(output.output())
+                del self._merge[output.request_id]
+            else:
+                self._outputs.append(output)
+        return taken
 
     def load(self) -> EngineLoad:
         """worker/engine.py Engine.load, computed the same way."""
@@ -429,16 +458,21 @@ class SimInstance:
             if held is not None:  # merge into the held output of this request
                 held.tokens.extend(tokens)
                 held.num_output_tokens = request.num_outputs
-                return
-            self._merge[rid] = held = _HeldTokens(
-                rid, list(tokens), len(request.submit.prompt_token_ids), request.num_outputs, request.num_cached_tokens
-            )
-            self._outputs.append(held)
-            if self._flush_at is None:
-                self._flush_at = self._now() + interval
-                self._at(self._flush_at, self._flush)
+            else:
+                self._merge[rid] = held = _HeldTokens(
+                    rid, self._now(), list(tokens), len(request.submit.prompt_token_ids), request.num_outputs,
+                    request.num_cached_tokens,
+                )
+                self._outputs.append(held)
+            self._added_since_poll = True
+            if rid not in self._merged_since_poll:
+                self._merged_since_poll.add(rid)
+                if self._flush_at is None:
+                    self._flush_at = self._now() + interval
+                    self._at(self._flush_at, self._flush)
             return
         self._urgent = True
+        self._added_since_poll = True
         self._outputs.append(
             RequestOutput(
                 rid, tokens, "",
@@ -510,6 +544,7 @@ class SimInstance:
         # Held outputs to merge this step's tokens into (stream_interval_s): the common case of a
         # generating request's token, taken here without building a tuple and a call per token.
         merge = self._merge if self.stream_interval_s else None
+        merged_since_poll = self._merged_since_poll
         for llm in sampled:
             rid = llm.request_id
             request = requests.get(rid)
@@ -539,12 +574,11 @@ class SimInstance:
                 continue
             if finishing_context:
                 self._set_state(request, S.GENERATION_IN_PROGRESS)
-            elif merge is not None:
-                held = merge.get(rid)
-                if held is not None:  # as _output merges it
-                    held.tokens.append(token)
-                    held.num_output_tokens = request.num_outputs
-                    continue
+            elif merge is not None and rid in merged_since_poll:  # as _output merges it
+                held = merge[rid]
+                held.tokens.append(token)
+                held.num_output_tokens = request.num_outputs
+                continue
             self._output(request, (token,))
         if done:
             self._active = [llm for llm in self._active if llm.request_id not in done]
