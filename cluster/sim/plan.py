@@ -101,6 +101,9 @@ class CandidateResult:
     candidate: Candidate
     max_rate_per_s: float  # the highest probed rate that met the attainment (0: none did)
     probes: list[Probe] = field(default_factory=list)
+    # Set when the search stopped at the rate to beat (the best candidate's so far), which this one
+    # did not sustain: its own maximum is below it, and was not searched further.
+    below_rate_per_s: float | None = None
 
     @property
     def goodput_per_instance(self) -> float:
@@ -257,15 +260,26 @@ def search(
     min_requests: int = 40,
     max_doublings: int = 12,
     bisections: int = 4,
+    beat_rate_per_s: float | None = None,
 ) -> CandidateResult:
+    """The candidate's highest rate within the SLOs. With `beat_rate_per_s` (the best rate of the
+    candidates searched before), the first probe is at that rate: a candidate that fails it cannot
+    be the best and is left there (`below_rate_per_s`); one that passes is searched as without it
+    (the same probes, so the same maximum; a probe at a rate already probed is not run again)."""
     config = candidate.config(base)
     result = CandidateResult(candidate, 0.0)
+    verdicts: dict[float, bool] = {}
 
     def passes(rate: float) -> bool:
-        count = max(min_requests, round(rate * duration_s))
-        result.probes.append(probe(config, settings, window_requests(requests, count), rate, slo, attainment))
-        return result.probes[-1].passed
+        if rate not in verdicts:
+            count = max(min_requests, round(rate * duration_s))
+            result.probes.append(probe(config, settings, window_requests(requests, count), rate, slo, attainment))
+            verdicts[rate] = result.probes[-1].passed
+        return verdicts[rate]
 
+    if beat_rate_per_s and not passes(beat_rate_per_s):
+        result.below_rate_per_s = beat_rate_per_s
+        return result
     low, high = 0.0, start_rate_per_s
     for _ in range(max_doublings):
         if not passes(high):
@@ -294,23 +308,33 @@ def plan(
     policies: Sequence[str] = tuple(POLICIES),
     attainment: float = 0.9,
     duration_s: float = 30.0,
+    prune: bool = True,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[CandidateResult]:
-    """Every candidate's search; the best is the one with the highest goodput per instance."""
+    """Every candidate's search; the best is the one with the highest goodput per instance (all
+    candidates have the same N, so the highest rate). With `prune`, each candidate is first probed
+    at the best rate found so far and searched further only if it sustains it: the best and its
+    rate are those of searching every candidate to its own maximum (a pass at a rate is taken to
+    mean a pass at every lower one, as the bisection takes it), and a candidate left below the
+    rate to beat costs one probe (which an overload ends early) instead of a whole search."""
     # One rate to start every search from: an instance's share of a modest rate, so that the
     # doubling phase is short for every candidate.
     start = max(0.25, num_instances / 4)
     results = []
+    best_rate = 0.0
     for candidate in candidates(num_instances, policies):
         started = time.perf_counter()
         result = search(
-            candidate, base, settings, requests, slo, attainment=attainment, start_rate_per_s=start, duration_s=duration_s
+            candidate, base, settings, requests, slo, attainment=attainment, start_rate_per_s=start, duration_s=duration_s,
+            beat_rate_per_s=best_rate if prune and best_rate > 0 else None,
         )
-        progress(
-            f"{candidate.label}: {result.max_rate_per_s:.3g} req/s within the SLOs "
-            f"({len(result.probes)} simulations, {time.perf_counter() - started:.1f}s)"
+        found = (
+            f"below {result.below_rate_per_s:.3g} req/s (the best so far)" if result.below_rate_per_s is not None
+            else f"{result.max_rate_per_s:.3g} req/s within the SLOs"
         )
+        progress(f"{candidate.label}: {found} ({len(result.probes)} simulations, {time.perf_counter() - started:.1f}s)")
         results.append(result)
+        best_rate = max(best_rate, result.max_rate_per_s)
     return results
 
 

@@ -300,3 +300,23 @@ def test_the_window_continues_the_pool_with_copies_that_share_no_prefix() -> Non
     assert [r.index for r in window] == list(range(100)) and window[:40] == list(pool)
     assert [len(r.prompt) for r in window[40:80]] == [len(r.prompt) for r in pool]
     assert all(copy.prompt[0] != original.prompt[0] for copy, original in zip(window[40:80], pool, strict=True))
+
+
+def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> None:
+    from cluster.loadgen.metrics import Slo
+    from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
+    from cluster.sim.plan import best, plan
+
+    base, _config, settings, _pool, _slo = _plan_case()
+    # Outputs long and SLOs tight enough that every candidate's maximum is well below the search's
+    # doubling limit.
+    pool = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=40, input_len=64, output_len=48), 0)
+    slo = Slo(ttft_ms=300, tpot_ms=50)
+    runs = {prune: plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, prune=prune) for prune in (True, False)}
+    assert all(max(p.rate_per_s for p in r.probes) < 0.75 * 2**11 for r in runs[False])
+    pruned, exhaustive = best(runs[True]), best(runs[False])
+    assert (pruned.candidate, pruned.max_rate_per_s) == (exhaustive.candidate, exhaustive.max_rate_per_s)
+    below = [r for r in runs[True] if r.below_rate_per_s is not None]
+    assert below and all(len(r.probes) == 1 for r in below)
+    full = {r.candidate: r.max_rate_per_s for r in runs[False]}
+    assert all(full[r.candidate] < r.below_rate_per_s for r in below)
