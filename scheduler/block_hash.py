@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BLOCK_HASH_BYTES = 8
 
@@ -18,6 +18,11 @@ _ROOT = b"duet-block-v1"
 
 def _lora_bytes(lora_task_id: int | None) -> bytes:
     return b"none" if lora_task_id is None else struct.pack("<q", lora_task_id)
+
+
+def block_packer(tokens_per_block: int) -> Callable[..., bytes]:
+    """Packs one full block's tokens (as arguments) the way its hash reads them: little-endian int64s."""
+    return struct.Struct(f"<{tokens_per_block}q").pack
 
 
 def block_hash_chain(
@@ -29,11 +34,10 @@ def block_hash_chain(
     hashes: list[int] = []
     parent = hashlib.blake2b(_ROOT + _lora_bytes(lora_task_id), digest_size=BLOCK_HASH_BYTES).digest()
     num_full = len(token_ids) // tokens_per_block
+    pack = block_packer(tokens_per_block)
     for index in range(num_full):
         block = token_ids[index * tokens_per_block : (index + 1) * tokens_per_block]
-        digest = hashlib.blake2b(
-            parent + struct.pack(f"<{tokens_per_block}q", *block), digest_size=BLOCK_HASH_BYTES
-        ).digest()
+        digest = hashlib.blake2b(parent + pack(*block), digest_size=BLOCK_HASH_BYTES).digest()
         hashes.append(int.from_bytes(digest, "little"))
         parent = digest
     return hashes

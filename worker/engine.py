@@ -45,7 +45,7 @@ from scheduler.state import LlmRequestState
 from worker.attention import SequenceChunk, disable_cudnn_attention
 from worker.detokenizer import IncrementalDetokenizer
 from worker.device import dtype_name
-from worker.engine_types import EngineConfig, Reservation
+from worker.engine_types import EngineConfig, Reservation, kv_pool_refusal
 from worker.handover import (
     EndRequest,
     EndTiming,
@@ -234,6 +234,9 @@ class Engine:
             priority=submit.priority,
             state=S.DISAGG_GENERATION_INIT if submit.request_type is RequestType.GENERATION_ONLY else S.CONTEXT_INIT,
         )
+        refusal = kv_pool_refusal(self.blocks, llm)
+        if refusal is not None:
+            raise EngineInputError("sampling_params.max_tokens", refusal)
         detokenizer = IncrementalDetokenizer(self.tokenizer, submit.prompt_token_ids, params.skip_special_tokens)
         stop = StopChecker(
             params, self.eos_token_ids, prompt_len=len(submit.prompt_token_ids), max_model_len=self.max_seq_len

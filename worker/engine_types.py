@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from scheduler.block_manager import BlockManagerConfig
+from scheduler.block_manager import BlockManager, BlockManagerConfig
 from scheduler.config import CapacitySchedulerPolicy, ChunkingConfig, ContextChunkingPolicy, SchedulerConfig
+from scheduler.request import LlmRequest
 from worker.config import (
     ConfigProblem,
     ConfigStruct,
@@ -116,6 +117,22 @@ class EngineConfig(ConfigStruct, frozen=True):
     def with_overrides(self, **overrides: object) -> EngineConfig:
         """A copy with some fields replaced (policy and role names may be given as strings)."""
         return load_config(EngineConfig, {**msgspec.structs.asdict(self), **overrides})
+
+
+def kv_pool_refusal(blocks: BlockManager, request: LlmRequest) -> str | None:
+    """Why `request` can never run in this KV pool (the blocks it needs at its longest exceed the
+    pool's), or None. Checked when a request is submitted (worker/engine.py add_request and the
+    simulator's cluster/sim/instance.py submit), so that it is refused with this message instead of
+    waiting in the queue until a stage timeout."""
+    need = blocks.blocks_at_completion(request)
+    if need <= blocks.num_blocks:
+        return None
+    tpb = blocks.tokens_per_block
+    return (
+        f"a prompt of {request.prompt_len} tokens with up to {request.max_new_tokens} new tokens needs {need} KV blocks "
+        f"({need * tpb} tokens); this instance's KV pool holds {blocks.num_blocks} blocks ({blocks.num_blocks * tpb} tokens), "
+        "so it could never run here (a larger engine.num_blocks or engine.kv_cache_bytes, or a smaller max_tokens)"
+    )
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import msgspec
 from cluster.cli.bench import add_workload_options
 from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_log_level, setup_logging
 from cluster.cli.sim import add_cluster_options, cluster_config, sim_settings
-from cluster.deploy.config import ClusterConfig
+from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.metrics import Slo, SloError
 from cluster.loadgen.report import envelope, render_table
 from cluster.loadgen.runner import SamplingSpec
@@ -36,7 +36,9 @@ from cluster.loadgen.workloads import (
     build_workload,
     load_sharegpt,
 )
+from cluster.sim.cluster import pool_shortfalls
 from cluster.sim.plan import POLICIES, CandidateResult, best, plan
+from worker.protocol import InstanceRole
 
 BENCH_NAME = "duet_plan"
 
@@ -63,6 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     output.add_argument("--out", default=None, metavar="DIR", help="plan.json, plan.png, best-cluster.yaml (default ./plan-results/<time>)")
     output.add_argument("--no-plots", action="store_true", help="write no plan.png")
     output.add_argument("--quick", action="store_true", help="few requests, coarse search (a smoke test)")
+    search.add_argument("--every-maximum", action="store_true",
+                        help="search every candidate to its own highest rate (slower; by default a candidate that cannot "
+                        "sustain the best rate found so far is reported as below it after one probe)")
     add_log_level(output, "ERROR")
     parser.set_defaults(handler=run)
     # --instances is the total to split here (add_cluster_options words it as counts for duet sim).
@@ -97,7 +102,8 @@ def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Pat
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 3.8))
     for policy in dict.fromkeys(r.candidate.policy for r in results):
-        mine = [r for r in results if r.candidate.policy == policy]
+        # Candidates left below the best rate found before them have no maximum of their own to plot.
+        mine = [r for r in results if r.candidate.policy == policy and r.below_rate_per_s is None]
         split = [r for r in mine if r.candidate.num_prefill]
         line = axis.plot([r.candidate.num_prefill for r in split], [r.goodput_per_instance for r in split], "o-", label=f"P:D, {policy}")
         mixed = [r for r in mine if not r.candidate.num_prefill]
@@ -138,17 +144,27 @@ def run(args: argparse.Namespace) -> int:
     requests = build_workload(workload, args.seed, dataset)
     base = cluster_config(argparse.Namespace(**{**vars(args), "instances": None}))
     settings = sim_settings(args, SamplingSpec(timeout_s=None), args.seed)
+    # Every role a candidate may use: a request refused at submission would count against every
+    # split alike and hide what the search compares.
+    roles = (InstanceRole.PREFILL, InstanceRole.GENERATION, InstanceRole.MIXED)
+    groups = [next((g for g in base.instances if g.role is role), InstanceGroup(role)) for role in roles]
+    shortfalls = pool_shortfalls(base, settings.profile, requests, groups)
+    if shortfalls:
+        raise CliError("; ".join(message for message, _count in shortfalls), EXIT_USAGE)
     out_dir = Path(args.out) if args.out else Path("plan-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results = plan(
         base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
-        duration_s=args.duration or (5.0 if args.quick else 30.0), progress=lambda message: print(message, file=sys.stderr, flush=True),
+        duration_s=args.duration or (5.0 if args.quick else 30.0), prune=not args.every_maximum,
+        progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     elapsed_s = time.perf_counter() - started
     chosen = best(results)
     rows = [
-        [("* " if r is chosen else "  ") + r.candidate.label, r.max_rate_per_s, r.goodput_per_instance, len(r.probes)]
+        [("* " if r is chosen else "  ") + r.candidate.label,
+         r.max_rate_per_s if r.below_rate_per_s is None else f"< {r.below_rate_per_s:g}",
+         r.goodput_per_instance if r.below_rate_per_s is None else f"< {r.below_rate_per_s / num_instances:.4g}", len(r.probes)]
         for r in results
     ]
     sys.stdout.write(render_table(["split / policy", "max req/s in SLO", "goodput / instance", "simulations"], rows))
@@ -171,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
         "profile": settings.profile.name,
         "best": chosen.candidate.label,
         "best_goodput_per_instance": round(chosen.goodput_per_instance, 5),
+        # A candidate below the best rate found before it: the highest rate it passed (a lower bound).
         "candidates": {r.candidate.label: round(r.goodput_per_instance, 5) for r in results},
+        "below_best": {r.candidate.label: r.below_rate_per_s for r in results if r.below_rate_per_s is not None},
         "simulations": sum(len(r.probes) for r in results),
         "wall_s": round(elapsed_s, 2),
         "cluster_yaml": str(yaml_path),

@@ -40,7 +40,7 @@ from cluster.loadgen.runner import PointResult
 from cluster.loadgen.trace import read_trace, trace_workload
 from cluster.loadgen.workloads import WorkloadError, build_workload, load_sharegpt
 from cluster.sim.catalog import load_profile, shipped_profiles
-from cluster.sim.cluster import InstanceDeath, SimOutcome, SimSettings, simulate
+from cluster.sim.cluster import InstanceDeath, SimOutcome, SimSettings, pool_shortfalls, simulate
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkError, data_plane
 from cluster.sim.profile import ProfileError
 from worker.protocol import InstanceRole
@@ -219,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
     for position, point in enumerate(settings.points):
         seed = settings.seed + position
         requests = traced[0] if traced is not None else build_workload(settings.workload, seed, dataset)
+        for message, count in pool_shortfalls(config, sim.profile, requests):
+            if count == len(requests):
+                raise CliError(f"the KV pool holds none of the workload's requests: {message}", EXIT_USAGE)
+            print(f"duet sim: warning: {message}", file=sys.stderr, flush=True)
         if settings.progress:
             print(f"simulating {point.label}: {len(requests)} requests ...", file=sys.stderr, flush=True)
         try:

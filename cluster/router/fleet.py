@@ -63,6 +63,9 @@ class Fleet:
 
     def __init__(self, placement: PlacementConfig, rng: random.Random, dead_after_s: float) -> None:
         self.members: dict[str, Member] = {}
+        # The members in instance-id order, the order placement decides in (kept here so that a
+        # decision checks it in one pass instead of sorting every instance).
+        self._in_id_order: list[Member] = []
         self.prefix = PrefixIndex()
         self._placer = Placer(placement, rng)
         self._dead_after_s = dead_after_s
@@ -72,6 +75,7 @@ class Fleet:
         """Add an instance, or replace a registration under the same id (a restarted instance)."""
         member = Member(client, info, last_ok_s=now_s, last_report_wall_s=wall_s)
         self.members[info.instance_id] = member
+        self._in_id_order = sorted(self.members.values(), key=lambda m: m.instance_id)
         self.prefix.remove_instance(info.instance_id)
         return member
 
@@ -165,7 +169,7 @@ class Fleet:
         return self._placer.choose_generation(request, candidates, self.prefix.overlap(request.block_hashes)).instance_id
 
     def _candidates_excluding(self, exclude: frozenset[str]) -> Sequence[Candidate]:
-        candidates = [m.candidate or self._refresh(m) for m in self.members.values()]
+        candidates = [m.candidate or self._refresh(m) for m in self._in_id_order]
         if not exclude:
             return candidates
         return [Candidate(c.snapshot, InstanceHealth.UNHEALTHY) if c.instance_id in exclude else c for c in candidates]

@@ -313,6 +313,19 @@ class RequestFlow:
     def on_output(self, attempt: Attempt, output: RequestOutput, now_s: float, fleet: FleetView) -> list[Action]:
         """Tokens of a hop, and whether it finished (how, and its KV state for a prefill hop)."""
         self._now_s = now_s
+        if (
+            output.new_token_ids
+            and not output.finished
+            and attempt.live
+            and attempt.phase is not Phase.PREFILL
+            and self.first_token_s is not None
+            and self.timeline.state is GlobalState.GENERATING
+        ):
+            # Most outputs: more tokens of the generating hop, streamed and nothing else (what the
+            # checks below come to for them, without walking through them).
+            self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+            self.outputs.extend(output.new_token_ids)
+            return [EmitTokens(self.request_id, TokenEvent(tuple(output.new_token_ids), output.text_delta, tuple(output.logprobs)))]
         actions: list[Action] = []
         if self.ended:
             return actions

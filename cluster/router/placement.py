@@ -169,6 +169,18 @@ class Policy(Protocol):
 def _in_id_order(candidates: Sequence[Candidate]) -> list[Candidate]:
     """The candidates checked (Candidates, each instance once) and in instance-id order, so that
     every tie-break and sample is deterministic."""
+    previous = ""
+    for candidate in candidates:
+        if not isinstance(candidate, Candidate):
+            raise InvalidPlacementInput(f"expected Candidate, got {type(candidate).__name__}")
+        instance_id = candidate.instance_id
+        if instance_id <= previous:
+            break
+        previous = instance_id
+    else:
+        # Ids strictly increasing (the fleet's order): each instance once and sorted already; one
+        # pass instead of a set and a sort per decision.
+        return list(candidates)
     seen: set[str] = set()
     for candidate in candidates:
         if not isinstance(candidate, Candidate):
@@ -266,7 +278,11 @@ class LeastLoaded(_Chooser):
         scores = {}
         best, best_score = eligible[0], -math.inf
         for candidate in eligible:  # in id order: the first of equal scores wins
-            score = scores[candidate.instance_id] = self.freeness(candidate.load)
+            load = candidate.load
+            # freeness(load), inline: this loop runs over every generation instance per request.
+            score = scores[candidate.instance_id] = (
+                load.free_blocks - -(-load.queued_prompt_tokens // load.tokens_per_block)
+            ) / max(1, load.running_requests)
             if score > best_score:
                 best, best_score = candidate, score
         return Placement(best.instance_id, self.name, _scores(scores))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.deploy.config import ClusterConfig
+from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.arrivals import Arrivals
 from cluster.loadgen.metrics import Slo, compute_metrics
 from cluster.loadgen.runner import LoadRunner, PointResult, SamplingSpec
@@ -35,6 +35,7 @@ from cluster.sim.instance import SimInstance, SimNetwork
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkModel, Network
 from cluster.sim.profile import StepProfile
 from cluster.sim.vclock import run_virtual
+from worker.engine_types import EngineConfig
 from worker.kv_transfer.faults import FaultInjector
 from worker.tokenizer import ByteTokenizer
 
@@ -136,6 +137,39 @@ class SimOutcome:
         }
 
 
+def pool_blocks(engine: EngineConfig, profile: StepProfile) -> int:
+    """An instance's KV pool in blocks: engine.num_blocks, or what engine.kv_cache_bytes holds of
+    the profile's model."""
+    return engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
+
+
+def pool_shortfalls(
+    config: ClusterConfig, profile: StepProfile, requests: Sequence[BenchRequest], groups: Sequence[InstanceGroup] | None = None
+) -> list[tuple[str, int]]:
+    """For each instance group (default: the config's) whose KV pool cannot hold some of `requests`
+    at their longest (prompt + max_tokens; a follow-up turn's history not counted): a sentence
+    saying so, and how many. Those requests are refused at submission (worker/engine_types.py
+    kv_pool_refusal); this says it before a simulation runs."""
+    lengths = [
+        (len(r.prompt.encode()) if isinstance(r.prompt, str) else len(r.prompt)) + r.max_tokens for r in requests
+    ]
+    shortfalls = []
+    for group in groups if groups is not None else [g for g in config.instances if g.count]:
+        engine = config.engine_config(group)
+        blocks = pool_blocks(engine, profile)
+        capacity_tokens = blocks * engine.tokens_per_block
+        too_long = [length for length in lengths if length > capacity_tokens]
+        if too_long:
+            shortfalls.append((
+                f"a {group.role.name} instance's KV pool of {blocks} blocks ({capacity_tokens} tokens of {profile.model}) "
+                f"cannot hold {len(too_long)} of the {len(requests)} requests (prompt + max_tokens up to {max(too_long)} "
+                "tokens): they would be refused; raise engine.num_blocks or engine.kv_cache_bytes (--config), or shorten "
+                "the workload",
+                len(too_long),
+            ))
+    return shortfalls
+
+
 def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[SimInstance], SimNetwork]:
     faults = FaultInjector.from_mapping(config.faults) if config.faults else None
     network = SimNetwork(Network(settings.link), faults)
@@ -162,7 +196,10 @@ async def simulate_async(
     slo: Slo | None = None,
     *,
     on_done: Any = None,
+    on_start: Any = None,
 ) -> SimOutcome:
+    """`on_done(record)` for each request as it ends; `on_start(loop_time_s)` when the first request
+    could be sent (the instances registered): the time the arrivals' offsets count from."""
     loop = asyncio.get_running_loop()
     wall_started = time.perf_counter()
     instances, network = build_instances(config, settings)
@@ -189,6 +226,8 @@ async def simulate_async(
         if death.restart_after_s is not None:
             loop.call_at(started_s + death.at_s + death.restart_after_s, instance.restart)
     runner = LoadRunner(RouterClient(router, settings.frontend_s), settings.sampling, clock=loop.time, on_done=on_done)
+    if on_start is not None:
+        on_start(started_s)
     outcome = await runner.run(requests, arrivals, seed=settings.seed)
     virtual_s = loop.time() - started_s
     await router.stop()

@@ -35,8 +35,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import msgspec
-
 from cluster.router.instance_client import InstanceRejected, InstanceUnavailable
 from cluster.sim.link import Network
 from cluster.sim.profile import StepProfile, context_pairs
@@ -44,7 +42,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
-from worker.engine_types import EngineConfig
+from worker.engine_types import EngineConfig, kv_pool_refusal
 from worker.instant import instant_token
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
@@ -67,6 +65,8 @@ from worker.protocol import (
 from worker.stopping import FinishReason
 
 S = LlmRequestState
+_CONTEXT_INIT = S.CONTEXT_INIT
+_CONTEXT_INIT_AND_TRANS = S.DISAGG_CONTEXT_INIT_AND_TRANS
 BLOCKS_PER_CHUNK = 4  # transfer chunks a fault plan's chunk rules count (worker/kv_transfer/plan.py order)
 _transfer_ids = itertools.count(1)
 
@@ -88,6 +88,29 @@ class _Request:
     pending_push: tuple[str, str, float, str] | None = None
     finished: bool = False
     expiry: asyncio.TimerHandle | None = None  # its lease or reservation timer, cancelled when it ends
+
+
+class _HeldTokens:
+    """A request's token output held for the stream interval: the tokens of consecutive steps are
+    appended here (not a new output per merged token) and become one RequestOutput when it goes out."""
+
+    __slots__ = ("request_id", "first_s", "tokens", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens")
+
+    def __init__(
+        self, request_id: str, first_s: float, tokens: list[int], num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
+    ) -> None:
+        self.request_id = request_id
+        self.first_s = first_s  # when its first token was held: it is due an interval later
+        self.tokens = tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = num_output_tokens
+        self.num_cached_tokens = num_cached_tokens
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id, tuple(self.tokens), "", num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, num_cached_tokens=self.num_cached_tokens,
+        )
 
 
 @dataclass
@@ -142,6 +165,12 @@ class SimInstance:
         # of them (vLLM's and trtllm-serve's stream_interval). First tokens, ends, errors, state
         # events, reservations and push results are never held, so TTFT, TPOT and e2e are exact;
         # ITL is seen in chunks. It cuts the router's per-token work for very large simulations.
+        # A poll takes the held outputs that are due and those of requests with other mail in it;
+        # the others stay held. Polls come when they would if every held output went with each
+        # (a flush timer armed at a request's first held token since the last poll, a poll at the
+        # flush if anything was added since the last), so loads, events and every decision are
+        # those of that scheme, and a held output goes out with the first poll once it is due
+        # (within about two intervals of its first token when nothing else polls).
         self.stream_interval_s = stream_interval_s
         # Draws each step's spread (StepProfile.step_time_ratios); seeded per instance by the cluster.
         self._rng = rng if rng is not None else random.Random(instance_id)
@@ -168,8 +197,10 @@ class SimInstance:
         self.scheduler = TwoLevelScheduler(cfg.scheduler_config(), self.blocks)
         self._requests: dict[str, _Request] = {}
         self._active: list[LlmRequest] = []
-        self._outputs: list[RequestOutput] = []
-        self._merge: dict[str, int] = {}  # request id -> index in _outputs of its held token output
+        self._outputs: list[RequestOutput | _HeldTokens] = []
+        self._merge: dict[str, _HeldTokens] = {}  # request id -> its held token output (in _outputs)
+        self._merged_since_poll: set[str] = set()  # requests with a held token since the last poll
+        self._added_since_poll = False  # an output was added since the last poll
         self._urgent = False  # _outputs holds something that is not held (stream_interval_s)
         self._flush_at: float | None = None
         self._events: list[StateEvent] = []
@@ -252,6 +283,9 @@ class SimInstance:
             max_new += 1  # the first token is in output_token_ids, not the context (worker/engine.py add_request)
         state = S.DISAGG_GENERATION_INIT if generation_only else S.CONTEXT_INIT
         llm = LlmRequest(rid, context, max_new, priority=request.priority, state=state)
+        refusal = kv_pool_refusal(self.blocks, llm)
+        if refusal is not None:  # as worker/engine.py add_request refuses it
+            raise InstanceRejected("sampling_params.max_tokens", refusal)
         self._requests[rid] = _Request(request, llm, params.seed or 0, produced)
         self._active.append(llm)
         self._event(rid, state, "submitted")
@@ -354,13 +388,16 @@ class SimInstance:
 
     def _flush(self) -> None:
         self._flush_at = None
-        if self._outputs:
+        if self._added_since_poll:
             self._urgent = True
             self._wake()
 
     def _take_mail(self) -> PollBatch:
         outputs, self._outputs = self._outputs, []
-        self._merge.clear()
+        if self._merge:
+            outputs = self._take_outputs(outputs)
+        self._merged_since_poll.clear()
+        self._added_since_poll = False
         self._urgent = False
         events, self._events = self._events, []
         reservations, self._reservations = self._reservations, []
@@ -368,18 +405,37 @@ class SimInstance:
         self._sequence += 1
         return PollBatch(self.incarnation, self._sequence, tuple(outputs), tuple(events), tuple(reservations), tuple(pushes), self.load())
 
+    def _take_outputs(self, outputs: list[RequestOutput | _HeldTokens]) -> list[RequestOutput]:
+        """What a poll takes of the outputs (in order): every one not held, the held ones that are due,
+        and those of requests with other mail in this poll (they go before it, in order); the rest
+        stay held."""
+        due_s = self._now() - self.stream_interval_s
+        with_mail = {output.request_id for output in outputs if type(output) is not _HeldTokens}
+        with_mail.update(event.request_id for event in self._events)
+        taken: list[RequestOutput] = []
+        for output in outputs:
+            if type(output) is not _HeldTokens:
+                taken.append(output)
+            elif output.first_s <= due_s or output.request_id in with_mail:
+                taken.append(output.output())
+                del self._merge[output.request_id]
+            else:
+                self._outputs.append(output)
+        return taken
+
     def load(self) -> EngineLoad:
         """worker/engine.py Engine.load, computed the same way."""
-        queued = running = queued_tokens = in_flight = 0
+        queued = queued_tokens = in_flight = 0
         blocks = self.blocks
-        context_init = S.CONTEXT_INIT
-        for llm in self._active:
-            if llm.state is context_init and not blocks.has_sequence(llm.request_id):
+        sequences = blocks.sequences  # has_sequence, without a call per request (every poll walks them all)
+        active = self._active
+        for llm in active:
+            if llm.state is _CONTEXT_INIT and llm.request_id not in sequences:
                 queued += 1
                 queued_tokens += llm.prompt_len
             else:
-                running += 1
                 in_flight += len(llm.tokens[0])
+        running = len(active) - queued
         return EngineLoad(
             role=self.role,
             total_blocks=blocks.num_blocks,
@@ -405,19 +461,25 @@ class SimInstance:
         rid = request.submit.request_id
         interval = self.stream_interval_s
         if interval and not fields:
-            index = self._merge.get(rid)
-            if index is not None:  # merge into the held output of this request
-                held = self._outputs[index]
-                self._outputs[index] = msgspec.structs.replace(
-                    held, new_token_ids=held.new_token_ids + tokens, num_output_tokens=request.num_outputs
+            held = self._merge.get(rid)
+            if held is not None:  # merge into the held output of this request
+                held.tokens.extend(tokens)
+                held.num_output_tokens = request.num_outputs
+            else:
+                self._merge[rid] = held = _HeldTokens(
+                    rid, self._now(), list(tokens), len(request.submit.prompt_token_ids), request.num_outputs,
+                    request.num_cached_tokens,
                 )
-                return
-            self._merge[rid] = len(self._outputs)
-            if self._flush_at is None:
-                self._flush_at = self._now() + interval
-                self._at(self._flush_at, self._flush)
-        else:
-            self._urgent = True
+                self._outputs.append(held)
+            self._added_since_poll = True
+            if rid not in self._merged_since_poll:
+                self._merged_since_poll.add(rid)
+                if self._flush_at is None:
+                    self._flush_at = self._now() + interval
+                    self._at(self._flush_at, self._flush)
+            return
+        self._urgent = True
+        self._added_since_poll = True
         self._outputs.append(
             RequestOutput(
                 rid, tokens, "",
@@ -488,18 +550,24 @@ class SimInstance:
         sampled = [llm for llm in schedule.context if llm.context_remaining_length == 0]
         sampled.extend(schedule.generation)
         self.stats.generated_tokens += len(sampled)
+        # Held outputs to merge this step's tokens into (stream_interval_s): the common case of a
+        # generating request's token, taken here without building a tuple and a call per token.
+        merge = self._merge if self.stream_interval_s else None
+        merged_since_poll = self._merged_since_poll
         for llm in sampled:
-            request = requests.get(llm.request_id)
+            rid = llm.request_id
+            request = requests.get(rid)
             if request is None or request.finished:
                 continue  # aborted during the step: its blocks are gone already
             state = llm.state
-            finishing_context = state is S.CONTEXT_INIT or state is S.DISAGG_CONTEXT_INIT_AND_TRANS
+            finishing_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
             if finishing_context and reuse:
                 self.blocks.store_context_blocks(llm)
             token = instant_token(request.seed, request.num_outputs, vocab)
-            llm.add_new_token(token)
+            tokens = llm.tokens[0]
+            tokens.append(token)  # llm.add_new_token(token)
             request.num_outputs += 1
-            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(llm.tokens[0]) >= max_seq_len:
+            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(tokens) >= max_seq_len:
                 self._finish(request, S.GENERATION_COMPLETE, token, FinishReason.LENGTH)
                 done.add(llm.request_id)
                 continue
@@ -515,6 +583,11 @@ class SimInstance:
                 continue
             if finishing_context:
                 self._set_state(request, S.GENERATION_IN_PROGRESS)
+            elif merge is not None and rid in merged_since_poll:  # as _output merges it
+                held = merge[rid]
+                held.tokens.append(token)
+                held.num_output_tokens = request.num_outputs
+                continue
             self._output(request, (token,))
         if done:
             self._active = [llm for llm in self._active if llm.request_id not in done]

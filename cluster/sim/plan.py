@@ -6,14 +6,27 @@ each under every placement policy for the decision that matters there (the prefi
 choice for a split, the MIXED instance's choice for colocated). For each candidate the search
 finds the highest Poisson rate at which at least `attainment` of the requests meet both SLOs: the
 rate doubles from a start until a probe fails, then bisects between the last pass and the first
-failure. Goodput per instance is that rate / N. Every probe is a full simulation (cluster/sim/
-cluster.py) of `duration_s` of arrivals at its rate (so an overload has time to build a queue),
-taken from the front of one seeded pool of requests, so candidates are compared on identical
-requests.
+failure. Goodput per instance is that rate / N.
+
+A probe at rate R is a full simulation (cluster/sim/cluster.py) of `duration_s` of arrivals at R:
+R x duration_s requests (so an overload has the whole window to build a queue), taken from the
+front of one seeded pool, so candidates are compared on identical requests. A pool shorter than
+the window is followed by copies of itself whose token ids are shifted (the same lengths, no
+prefix shared with an earlier copy), never cut short: a probe that sent only the pool would be a
+burst the size of the pool at any rate, which a large enough cluster absorbs at every rate.
+
+A request that has not finished by the latest time at which it could still meet the SLOs (its send
+time + TTFT + TPOT x (max_tokens - 1), or + the e2e objective) has missed them, whether or not it
+ever finishes; a probe ends as soon as its verdict is certain (enough requests met the SLOs, or
+too many missed them), so an overloaded probe costs a fraction of its window, not the drain of
+its queue. The verdict is the one the whole run would give.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +38,8 @@ from cluster.loadgen.arrivals import PoissonArrivals
 from cluster.loadgen.metrics import RequestRecord, Slo
 from cluster.loadgen.workloads import BenchRequest
 from cluster.router.config import DisaggMode, KvAwareParams, LeastLoadedParams, RoundRobinParams
-from cluster.sim.cluster import SimSettings, simulate
+from cluster.sim.cluster import SIM_VOCAB_SIZE, SimSettings, simulate_async
+from cluster.sim.vclock import run_virtual
 from worker.protocol import InstanceRole
 
 POLICIES = {"round_robin": RoundRobinParams(), "least_loaded": LeastLoadedParams(), "kv_aware": KvAwareParams()}
@@ -73,8 +87,13 @@ def candidates(num_instances: int, policies: Sequence[str] = tuple(POLICIES)) ->
 @dataclass
 class Probe:
     rate_per_s: float
+    # The share of the probe's requests that met both SLOs; when `decided_early`, the bound that
+    # decided it (at least this share met them on a pass, at most this share could on a failure).
     attainment: float
-    completed: int
+    completed: int  # requests that ended (met or not) before the verdict
+    passed: bool = False
+    requests: int = 0
+    decided_early: bool = False
 
 
 @dataclass
@@ -82,6 +101,9 @@ class CandidateResult:
     candidate: Candidate
     max_rate_per_s: float  # the highest probed rate that met the attainment (0: none did)
     probes: list[Probe] = field(default_factory=list)
+    # Set when the search stopped at the rate to beat (the best candidate's so far), which this one
+    # did not sustain: its own maximum is below it, and was not searched further.
+    below_rate_per_s: float | None = None
 
     @property
     def goodput_per_instance(self) -> float:
@@ -92,6 +114,137 @@ def slo_attainment(records: Sequence[RequestRecord], slo: Slo) -> float:
     if not records:
         return 0.0
     return sum(1 for record in records if record.ok and slo.met_by(record)) / len(records)
+
+
+# Token ids of a copy of the pool are shifted by this much per copy (mod the vocabulary): a prime,
+# so that copies share no block of content with each other or with the pool.
+COPY_TOKEN_SHIFT = 7919
+
+
+def window_requests(pool: Sequence[BenchRequest], count: int) -> list[BenchRequest]:
+    """The first `count` requests of the pool followed by copies of it (token ids shifted per copy,
+    indexes and follow-ups renumbered): a probe's window is never cut short by the pool's size."""
+    if not pool:
+        raise ValueError("the request pool is empty")
+    size = len(pool)
+    requests = list(pool[:count])
+    for index in range(size, count):
+        copy, position = divmod(index, size)
+        original = pool[position]
+        prompt = original.prompt
+        if isinstance(prompt, str):
+            prompt = f"[{copy}] {prompt}"
+        else:
+            prompt = tuple((token + copy * COPY_TOKEN_SHIFT) % SIM_VOCAB_SIZE for token in prompt)
+        requests.append(dataclasses.replace(
+            original, index=original.index + copy * size, prompt=prompt,
+            after=None if original.after is None else original.after + copy * size,
+        ))
+    return requests
+
+
+def slo_deadline_s(slo: Slo, max_tokens: int) -> float:
+    """The longest a request of `max_tokens` output tokens may take from its send to its end and still
+    meet `slo`: TTFT + TPOT x (max_tokens - 1) when both are set (e2e = TTFT + TPOT x (n - 1) for
+    n >= 2 tokens, and n <= max_tokens), the e2e objective if smaller; infinite when neither bounds it."""
+    bound_s = math.inf
+    if slo.ttft_ms is not None and slo.tpot_ms is not None:
+        bound_s = (slo.ttft_ms + slo.tpot_ms * max(0, max_tokens - 1)) / 1e3
+    if slo.e2e_ms is not None:
+        bound_s = min(bound_s, slo.e2e_ms / 1e3)
+    return bound_s
+
+
+# Slack on a deadline for the clock's rounding: a request is sent at its offset to within it.
+DEADLINE_SLACK_S = 1e-6
+
+
+class _Verdict:
+    """Counts a probe's requests as they end or pass their deadline unfinished, and decides the probe
+    as soon as the outcome is certain."""
+
+    def __init__(self, slo: Slo, attainment: float, count: int, decided: asyncio.Future) -> None:
+        self.slo = slo
+        self.count = count
+        self.needed = math.ceil(attainment * count - 1e-9)  # met requests a pass needs
+        self.met = self.missed = self.ended = 0
+        self._finished: set[int] = set()
+        self._late: set[int] = set()  # counted as missed at their deadline, unfinished
+        self.decided = decided
+
+    def on_done(self, record: RequestRecord) -> None:
+        self._finished.add(record.index)
+        self.ended += 1
+        if record.index in self._late:
+            return
+        if self.slo.met_by(record):
+            self.met += 1
+        else:
+            self.missed += 1
+        self._check()
+
+    def on_deadline(self, index: int) -> None:
+        if index not in self._finished:
+            self._late.add(index)
+            self.missed += 1
+            self._check()
+
+    def _check(self) -> None:
+        if self.decided.done():
+            return
+        if self.met >= self.needed:
+            self.decided.set_result(True)
+        elif self.count - self.missed < self.needed:
+            self.decided.set_result(False)
+
+
+async def _probe(
+    config: ClusterConfig, settings: SimSettings, requests: Sequence[BenchRequest], rate: float, slo: Slo, attainment: float
+) -> Probe:
+    loop = asyncio.get_running_loop()
+    arrivals = PoissonArrivals(rate)
+    verdict = _Verdict(slo, attainment, len(requests), loop.create_future())
+    offsets_s = arrivals.offsets_s(len(requests), settings.seed)  # the runner's schedule (the same seed)
+    deadlines = sorted(
+        (offset + slo_deadline_s(slo, request.max_tokens) + DEADLINE_SLACK_S, request.index)
+        for offset, request in zip(offsets_s, requests, strict=True)
+    )
+
+    started: asyncio.Future = loop.create_future()
+
+    async def watch() -> None:
+        started_s = await started
+        for deadline_s, index in deadlines:
+            if deadline_s == math.inf:
+                return
+            wait_s = started_s + deadline_s - loop.time()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            verdict.on_deadline(index)
+
+    watcher = loop.create_task(watch())
+    simulation = loop.create_task(
+        simulate_async(config, settings, requests, arrivals, slo, on_done=verdict.on_done, on_start=started.set_result)
+    )
+    await asyncio.wait({simulation, verdict.decided}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if simulation.done():
+        simulation.result()  # a bug in the simulation is raised, not taken for a verdict
+        records = simulation.result().point.outcome.records
+        met = sum(1 for record in records if slo.met_by(record))
+        return Probe(rate, met / len(requests), len(records), met >= verdict.needed, len(requests))
+    simulation.cancel()  # decided: the rest of the window cannot change the verdict
+    passed = verdict.decided.result()
+    share = verdict.met if passed else verdict.count - verdict.missed
+    return Probe(rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True)
+
+
+def probe(
+    config: ClusterConfig, settings: SimSettings, requests: Sequence[BenchRequest], rate: float, slo: Slo, attainment: float
+) -> Probe:
+    """One probe: `requests` sent at `rate` (Poisson, the settings' seed) until the verdict on
+    `attainment` is certain."""
+    return run_virtual(_probe(config, settings, requests, rate, slo, attainment))
 
 
 def search(
@@ -107,17 +260,26 @@ def search(
     min_requests: int = 40,
     max_doublings: int = 12,
     bisections: int = 4,
+    beat_rate_per_s: float | None = None,
 ) -> CandidateResult:
+    """The candidate's highest rate within the SLOs. With `beat_rate_per_s` (the best rate of the
+    candidates searched before), the first probe is at that rate: a candidate that fails it cannot
+    be the best and is left there (`below_rate_per_s`); one that passes is searched as without it
+    (the same probes, so the same maximum; a probe at a rate already probed is not run again)."""
     config = candidate.config(base)
     result = CandidateResult(candidate, 0.0)
+    verdicts: dict[float, bool] = {}
 
     def passes(rate: float) -> bool:
-        count = max(min_requests, min(len(requests), round(rate * duration_s)))
-        outcome = simulate(config, settings, requests[:count], PoissonArrivals(rate), slo)
-        share = slo_attainment(outcome.point.outcome.records, slo)
-        result.probes.append(Probe(rate, share, outcome.point.metrics.completed))
-        return share >= attainment
+        if rate not in verdicts:
+            count = max(min_requests, round(rate * duration_s))
+            result.probes.append(probe(config, settings, window_requests(requests, count), rate, slo, attainment))
+            verdicts[rate] = result.probes[-1].passed
+        return verdicts[rate]
 
+    if beat_rate_per_s and not passes(beat_rate_per_s):
+        result.below_rate_per_s = beat_rate_per_s
+        return result
     low, high = 0.0, start_rate_per_s
     for _ in range(max_doublings):
         if not passes(high):
@@ -146,23 +308,33 @@ def plan(
     policies: Sequence[str] = tuple(POLICIES),
     attainment: float = 0.9,
     duration_s: float = 30.0,
+    prune: bool = True,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[CandidateResult]:
-    """Every candidate's search; the best is the one with the highest goodput per instance."""
+    """Every candidate's search; the best is the one with the highest goodput per instance (all
+    candidates have the same N, so the highest rate). With `prune`, each candidate is first probed
+    at the best rate found so far and searched further only if it sustains it: the best and its
+    rate are those of searching every candidate to its own maximum (a pass at a rate is taken to
+    mean a pass at every lower one, as the bisection takes it), and a candidate left below the
+    rate to beat costs one probe (which an overload ends early) instead of a whole search."""
     # One rate to start every search from: an instance's share of a modest rate, so that the
     # doubling phase is short for every candidate.
     start = max(0.25, num_instances / 4)
     results = []
+    best_rate = 0.0
     for candidate in candidates(num_instances, policies):
         started = time.perf_counter()
         result = search(
-            candidate, base, settings, requests, slo, attainment=attainment, start_rate_per_s=start, duration_s=duration_s
+            candidate, base, settings, requests, slo, attainment=attainment, start_rate_per_s=start, duration_s=duration_s,
+            beat_rate_per_s=best_rate if prune and best_rate > 0 else None,
         )
-        progress(
-            f"{candidate.label}: {result.max_rate_per_s:.3g} req/s within the SLOs "
-            f"({len(result.probes)} simulations, {time.perf_counter() - started:.1f}s)"
+        found = (
+            f"below {result.below_rate_per_s:.3g} req/s (the best so far)" if result.below_rate_per_s is not None
+            else f"{result.max_rate_per_s:.3g} req/s within the SLOs"
         )
+        progress(f"{candidate.label}: {found} ({len(result.probes)} simulations, {time.perf_counter() - started:.1f}s)")
         results.append(result)
+        best_rate = max(best_rate, result.max_rate_per_s)
     return results
 
 

@@ -412,3 +412,22 @@ def test_abort_during_a_push_frees_blocks_only_when_the_push_returns(default_mod
     final = [o for o in prefill.step() if o.finished]
     assert len(final) == 1 and final[0].error.code is ErrorCode.ABORTED
     assert_no_leak(prefill)
+
+
+@pytest.mark.parametrize("role", [InstanceRole.MIXED, InstanceRole.PREFILL])
+def test_a_request_the_kv_pool_can_never_hold_is_refused_at_submission(default_model, role) -> None:
+    # 8 blocks of 16 tokens: a 100-token prompt with 40 new tokens needs 9 blocks at its longest.
+    engine = make_engine(default_model, num_blocks=8, role=role)
+    request_type = RequestType.CONTEXT_ONLY if role is InstanceRole.PREFILL else RequestType.CONTEXT_AND_GENERATION
+    with pytest.raises(EngineInputError) as error:
+        engine.add_request(SubmitRequest("big", tuple(range(1, 101)), greedy(40), request_type))
+    assert error.value.field == "sampling_params.max_tokens"
+    assert "needs 9 KV blocks" in error.value.message and "holds 8 blocks (128 tokens)" in error.value.message
+    assert engine.num_requests == 0
+    # 28 new tokens fill the 8 blocks exactly: accepted (and, colocated, run to completion).
+    engine.add_request(SubmitRequest("fits", tuple(range(1, 101)), greedy(28), request_type))
+    assert engine.num_requests == 1
+    if role is InstanceRole.MIXED:
+        outputs = run_all(engine)
+        assert outputs["fits"][-1].finished and outputs["fits"][-1].error is None
+        assert_no_leak(engine)

@@ -429,3 +429,15 @@ def test_guaranteed_no_evict_claims_the_decode_of_requests_receiving_kv() -> Non
     assert second.disagg_generation_init == [], "the 2 decode blocks of the receiving request are claimed"
     small = LlmRequest(3, [3] * 4, 4, state=LlmRequestState.DISAGG_GENERATION_INIT)  # 2 blocks: fits beside the claim
     assert scheduler.schedule([receiving, small]).disagg_generation_init == [small]
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_new", "beam_width", "window", "sink"),
+    [(100, 40, 1, 4096, 0), (96, 32, 1, 4096, 0), (1, 1, 1, 4096, 0), (100, 40, 3, 4096, 0), (300, 200, 1, 256, 0), (100, 40, 2, 256, 4)],
+)
+def test_blocks_at_completion_is_what_a_fresh_request_still_needs(prompt_len, max_new, beam_width, window, sink) -> None:
+    kv = BlockManager(
+        BlockManagerConfig(tokens_per_block=16, num_blocks=64, max_attention_window=window, sink_token_len=sink, max_beam_width=3)
+    )
+    request = LlmRequest("r", list(range(1, prompt_len + 1)), max_new, beam_width=beam_width)
+    assert kv.blocks_at_completion(request) == kv.remaining_blocks_to_completion(request)

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.arrivals import PoissonArrivals
-from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
+from cluster.loadgen.workloads import BenchRequest, WorkloadConfig, WorkloadKind, build_workload
 from cluster.sim.cluster import InstanceDeath, SimSettings, simulate
 from cluster.sim.instance import SimInstance, SimNetwork
 from cluster.sim.link import DATA_PLANES, Network
@@ -210,3 +210,16 @@ def test_the_router_figures_of_a_run_with_several_recovery_actions_are_json() ->
     outcome = simulate(config, SETTINGS, _requests(), PoissonArrivals(50.0))
     assert len(outcome.router["recovery_actions"]) >= 2, outcome.router
     assert json.loads(json.dumps(outcome.router, sort_keys=True)) == outcome.router
+
+
+def test_a_request_no_pool_can_hold_is_refused_at_once_not_left_waiting() -> None:
+    # 8 blocks of 16 tokens per instance: 100 prompt tokens + 40 new ones need 9.
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)], num_blocks=8)
+    requests = (BenchRequest(0, tuple(range(1, 101)), 40), BenchRequest(1, tuple(range(1, 61)), 20))
+    outcome = simulate(config, SETTINGS, requests, PoissonArrivals(10.0))
+    big, small = outcome.point.outcome.records
+    assert big.status == "INVALID_ARGUMENT" and "needs 9 KV blocks" in big.message and "could never run here" in big.message
+    assert small.ok and small.output_tokens == 20
+    # Refused at submission, not after the context stage's timeout (600 s by default).
+    assert outcome.virtual_s < 5
+    _check_invariants(outcome)

@@ -182,6 +182,25 @@ def test_duet_sim_names_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--profile", "nope"]) == 2
 
 
+def test_duet_sim_and_plan_say_when_the_kv_pool_cannot_hold_the_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    # The roofline Llama 3 8B profile at the default engine.kv_cache_bytes (256 MiB): 128 blocks of
+    # 16 tokens. Log-normal prompts around 1,200 tokens: some exceed the pool with their outputs.
+    workload = ["--workload", "lognormal", "--num-requests", "30", "--input-len", "1200", "--output-len", "64"]
+    cluster = ["--profile", "roofline:h100-sxm:llama-3-8b", "--out", str(tmp_path), "--no-plots"]
+    common = [*cluster, *workload]
+    assert main(["sim", "--instances", "1P,1G", "--rate", "2", "--no-progress", *common]) == 0
+    err = capsys.readouterr().err
+    assert "KV pool of 128 blocks (2048 tokens of llama-3-8b) cannot hold" in err and "engine.kv_cache_bytes" in err
+    assert main(["plan", "--instances", "2", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", *common]) == 2
+    assert "cannot hold" in capsys.readouterr().err
+    # No request fits: duet sim refuses to run.
+    assert main(["sim", "--instances", "1P,1G", "--rate", "2", "--no-progress", *cluster, "--workload", "fixed",
+                 "--num-requests", "5", "--input-len", "3000", "--output-len", "8"]) == 2
+    assert "holds none of the workload's requests" in capsys.readouterr().err
+
+
 def test_duet_plan_marks_the_best_split_and_writes_a_config_duet_serve_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
     from cluster.deploy.config import ClusterConfig
@@ -229,3 +248,78 @@ def test_duet_profile_measures_this_machine_and_writes_a_profile_duet_sim_reads(
     assert main(["profile", "--roofline", "a100-80g:qwen2-7b", "--out", str(roof)]) == 0
     assert load_profile(str(roof)).source == "roofline"
     assert main(["profile", "--roofline", "tpu:llama", "--out", str(roof)]) == 2
+
+
+def _plan_case():
+    from cluster.deploy.config import ClusterConfig
+    from cluster.loadgen.metrics import Slo
+    from cluster.loadgen.runner import SamplingSpec
+    from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
+    from cluster.sim.cluster import SimSettings
+    from cluster.sim.plan import Candidate
+
+    base = ClusterConfig.from_dict({"instances": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 1}]})
+    config = Candidate(2, 2, "round_robin").config(base)
+    settings = SimSettings(load_profile("cpu-builtin"), sampling=SamplingSpec(timeout_s=None))
+    pool = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=40, input_len=32, output_len=8), 0)
+    return base, config, settings, pool, Slo(ttft_ms=2000, tpot_ms=200)
+
+
+def test_an_overloaded_probe_fails_even_when_the_pool_is_smaller_than_its_window() -> None:
+    from cluster.sim.plan import Candidate, search
+
+    base, _config, settings, pool, slo = _plan_case()
+    # 4,096 req/s for 2 s is 8,192 requests, far beyond 4 CPU instances; the pool holds 40, which
+    # this cluster absorbs as one burst within these lax SLOs: the probe must not be that burst.
+    result = search(Candidate(2, 2, "round_robin"), base, settings, pool, slo, start_rate_per_s=4096.0, duration_s=2.0,
+                    max_doublings=1, bisections=0)
+    (first,) = result.probes
+    assert first.requests == 8192 and not first.passed and result.max_rate_per_s == 0.0
+    assert first.decided_early and first.attainment < 0.9  # most never finished: a miss each
+
+
+def test_a_probe_decided_early_gives_the_verdict_of_the_whole_run() -> None:
+    from cluster.loadgen.arrivals import PoissonArrivals
+    from cluster.sim.cluster import simulate
+    from cluster.sim.plan import probe, slo_attainment, window_requests
+
+    _base, config, settings, pool, slo = _plan_case()
+    verdicts = []
+    for rate in (400.0, 4000.0):  # within this cluster's reach, and beyond it
+        requests = window_requests(pool, round(rate * 0.5))
+        verdict = probe(config, settings, requests, rate, slo, 0.9)
+        whole = simulate(config, settings, requests, PoissonArrivals(rate), slo)
+        assert verdict.passed == (slo_attainment(whole.point.outcome.records, slo) >= 0.9)
+        assert verdict.requests == len(whole.point.outcome.records) == len(requests)
+        verdicts.append(verdict)
+    assert [v.passed for v in verdicts] == [True, False] and all(v.decided_early for v in verdicts)
+
+
+def test_the_window_continues_the_pool_with_copies_that_share_no_prefix() -> None:
+    from cluster.sim.plan import window_requests
+
+    *_, pool, _slo = _plan_case()
+    window = window_requests(pool, 100)
+    assert [r.index for r in window] == list(range(100)) and window[:40] == list(pool)
+    assert [len(r.prompt) for r in window[40:80]] == [len(r.prompt) for r in pool]
+    assert all(copy.prompt[0] != original.prompt[0] for copy, original in zip(window[40:80], pool, strict=True))
+
+
+def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> None:
+    from cluster.loadgen.metrics import Slo
+    from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
+    from cluster.sim.plan import best, plan
+
+    base, _config, settings, _pool, _slo = _plan_case()
+    # Outputs long and SLOs tight enough that every candidate's maximum is well below the search's
+    # doubling limit.
+    pool = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=40, input_len=64, output_len=48), 0)
+    slo = Slo(ttft_ms=300, tpot_ms=50)
+    runs = {prune: plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, prune=prune) for prune in (True, False)}
+    assert all(max(p.rate_per_s for p in r.probes) < 0.75 * 2**11 for r in runs[False])
+    pruned, exhaustive = best(runs[True]), best(runs[False])
+    assert (pruned.candidate, pruned.max_rate_per_s) == (exhaustive.candidate, exhaustive.max_rate_per_s)
+    below = [r for r in runs[True] if r.below_rate_per_s is not None]
+    assert below and all(len(r.probes) == 1 for r in below)
+    full = {r.candidate: r.max_rate_per_s for r in runs[False]}
+    assert all(full[r.candidate] < r.below_rate_per_s for r in below)
