@@ -45,7 +45,7 @@ from scheduler.state import LlmRequestState
 from worker.attention import SequenceChunk, disable_cudnn_attention
 from worker.detokenizer import IncrementalDetokenizer
 from worker.device import dtype_name
-from worker.engine_types import EngineConfig, Reservation, kv_pool_refusal
+from worker.engine_types import EngineConfig, Reservation, hop_max_new_tokens, kv_pool_refusal
 from worker.handover import (
     EndRequest,
     EndTiming,
@@ -223,14 +223,10 @@ class Engine:
             )
         if params.seed is None:
             params = params.with_seed(_mix_seed(cfg.seed, submit.request_id))
-        produced = len(submit.output_token_ids)
-        max_new = min(params.max_tokens - produced, self.max_seq_len - len(context))
-        if submit.request_type is RequestType.GENERATION_ONLY and not submit.token_with_kv:
-            max_new += 1  # the first token is in output_token_ids, not in the context: generated here
         llm = LlmRequest(
             submit.request_id,
             context,
-            max_new,
+            hop_max_new_tokens(submit, self.max_seq_len),
             priority=submit.priority,
             state=S.DISAGG_GENERATION_INIT if submit.request_type is RequestType.GENERATION_ONLY else S.CONTEXT_INIT,
         )

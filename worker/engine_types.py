@@ -27,7 +27,7 @@ from worker.config import (
     load_config,
 )
 from worker.kv_layout import KvLayout
-from worker.protocol import EngineInputError, InstanceRole
+from worker.protocol import EngineInputError, InstanceRole, RequestType, SubmitRequest
 
 
 @dataclass_compatible
@@ -117,6 +117,23 @@ class EngineConfig(ConfigStruct, frozen=True):
     def with_overrides(self, **overrides: object) -> EngineConfig:
         """A copy with some fields replaced (policy and role names may be given as strings)."""
         return load_config(EngineConfig, {**msgspec.structs.asdict(self), **overrides})
+
+
+def hop_max_new_tokens(submit: SubmitRequest, max_seq_len: int) -> int:
+    """The tokens a hop adds to its sequence at most: what its LlmRequest's max_new_tokens says, and
+    so what the capacity scheduler reserves KV for and what `kv_pool_refusal` checks. A CONTEXT_ONLY
+    hop samples only the first token (the generation instance makes the rest), so it adds one, as
+    TensorRT-LLM's disaggregated server sends its context requests with max_tokens 1; reserving
+    prompt + max_tokens there held decode blocks a prefill instance never uses. A GENERATION_ONLY
+    hop generates the first token itself unless it came with the KV (`token_with_kv`). Shared by
+    worker/engine.py and the simulator (cluster/sim/instance.py)."""
+    produced = len(submit.output_token_ids)
+    max_new = min(submit.sampling_params.max_tokens - produced, max_seq_len - len(submit.context_token_ids))
+    if submit.request_type is RequestType.CONTEXT_ONLY:
+        return min(max_new, 1)
+    if submit.request_type is RequestType.GENERATION_ONLY and not submit.token_with_kv:
+        return max_new + 1  # the first token is in output_token_ids, not in the context: generated here
+    return max_new
 
 
 def kv_pool_refusal(blocks: BlockManager, request: LlmRequest) -> str | None:

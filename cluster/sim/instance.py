@@ -42,7 +42,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.request import LlmRequest
 from scheduler.scheduler import ScheduleOutput, TwoLevelScheduler
 from scheduler.state import LlmRequestState
-from worker.engine_types import EngineConfig, kv_pool_refusal
+from worker.engine_types import EngineConfig, hop_max_new_tokens, kv_pool_refusal
 from worker.instant import instant_token
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
@@ -277,12 +277,9 @@ class SimInstance:
             raise InstanceRejected("prompt_token_ids", f"{len(context)} context tokens leave no room in max_seq_len {self.max_seq_len}")
         params = request.sampling_params
         produced = len(request.output_token_ids)
-        max_new = min(params.max_tokens - produced, self.max_seq_len - len(context))
         generation_only = request.request_type is RequestType.GENERATION_ONLY
-        if generation_only and not request.token_with_kv:
-            max_new += 1  # the first token is in output_token_ids, not the context (worker/engine.py add_request)
         state = S.DISAGG_GENERATION_INIT if generation_only else S.CONTEXT_INIT
-        llm = LlmRequest(rid, context, max_new, priority=request.priority, state=state)
+        llm = LlmRequest(rid, context, hop_max_new_tokens(request, self.max_seq_len), priority=request.priority, state=state)
         refusal = kv_pool_refusal(self.blocks, llm)
         if refusal is not None:  # as worker/engine.py add_request refuses it
             raise InstanceRejected("sampling_params.max_tokens", refusal)

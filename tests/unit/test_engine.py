@@ -414,11 +414,25 @@ def test_abort_during_a_push_frees_blocks_only_when_the_push_returns(default_mod
     assert_no_leak(prefill)
 
 
-@pytest.mark.parametrize("role", [InstanceRole.MIXED, InstanceRole.PREFILL])
+def test_a_prefill_hop_reserves_for_its_prompt_and_first_token_only(default_model) -> None:
+    """A CONTEXT_ONLY hop samples one token (the generation instance makes the rest), so a prefill
+    instance's pool needs to hold the prompt and that token, whatever max_tokens says (as
+    TensorRT-LLM's disaggregated server sends context requests with max_tokens 1)."""
+    engine = make_engine(default_model, num_blocks=8, role=InstanceRole.PREFILL)
+    # 127 prompt tokens + the first token fill the 8 blocks of 16: accepted with max_tokens 1000.
+    engine.add_request(SubmitRequest("long-output", tuple(range(1, 128)), greedy(1000), RequestType.CONTEXT_ONLY))
+    assert engine.num_requests == 1
+    # 128 prompt tokens + the first token need a ninth block: refused, naming the pool.
+    with pytest.raises(EngineInputError) as error:
+        engine.add_request(SubmitRequest("too-long", tuple(range(1, 129)), greedy(1), RequestType.CONTEXT_ONLY))
+    assert "needs 9 KV blocks" in error.value.message and "holds 8 blocks (128 tokens)" in error.value.message
+
+
+@pytest.mark.parametrize("role", [InstanceRole.MIXED, InstanceRole.GENERATION])
 def test_a_request_the_kv_pool_can_never_hold_is_refused_at_submission(default_model, role) -> None:
     # 8 blocks of 16 tokens: a 100-token prompt with 40 new tokens needs 9 blocks at its longest.
     engine = make_engine(default_model, num_blocks=8, role=role)
-    request_type = RequestType.CONTEXT_ONLY if role is InstanceRole.PREFILL else RequestType.CONTEXT_AND_GENERATION
+    request_type = RequestType.CONTEXT_AND_GENERATION
     with pytest.raises(EngineInputError) as error:
         engine.add_request(SubmitRequest("big", tuple(range(1, 101)), greedy(40), request_type))
     assert error.value.field == "sampling_params.max_tokens"
