@@ -94,13 +94,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer, name=name, model_name=model_name, plan=plan,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
-    profile = StepProfile.from_dict(document)  # the cluster side's own check of what was measured
-    profile.write(out)
-    fit = document["fit"]
-    print(json.dumps({k: v for k, v in document.items() if k != "fit"} | {
-        "median_relative_error": round(fit["median_relative_error"], 4), "samples": fit["samples"]}, indent=2))
-    print(f"wrote {out}")
-    return EXIT_OK
+    return _write_profile(document, out)  # the cluster side's own check of what was measured
 
 
 def _run_deployed(args: argparse.Namespace, out: Path, name: str) -> int:
@@ -115,6 +109,12 @@ def _run_deployed(args: argparse.Namespace, out: Path, name: str) -> int:
         except (ConfigError, OSError) as error:
             raise CliError(f"--config: {error}", EXIT_USAGE) from None
     document = measure_deployed(config, name=name, quick=args.quick, progress=lambda message: print(message, file=sys.stderr, flush=True))
+    return _write_profile(document, out)
+
+
+def _write_profile(document: dict, out: Path) -> int:
+    """Check a measured profile (`StepProfile.from_dict`), write it, print it without its fit's
+    samples."""
     profile = StepProfile.from_dict(document)
     profile.write(out)
     fit = document["fit"]

@@ -43,7 +43,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,18 +137,24 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"n": len(ordered), "p10": ordered[len(ordered) // 10], "p50": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))]}
 
 
+def _timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
+    """The records of the router's timeline log (`frontend.timeline_log`: one JSON object a line);
+    a line that does not parse (one being written as the run ended) is skipped."""
+    if not timeline_path.exists():
+        return
+    for line in timeline_path.read_text(encoding="utf-8").splitlines():
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue
+
+
 def _handover_seconds(timeline_path: Path, tokens_per_block: int, kv_bytes_per_token: int, since_s: float) -> list[float]:
     """Per disaggregated request admitted at or after wall-clock `since_s`: TRANSMISSION to
     GENERATING in the router's timeline, less the link model's time for its KV bytes."""
     link = DATA_PLANES[HANDOVER_PLANE]
     out = []
-    if not timeline_path.exists():
-        return out
-    for line in timeline_path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in _timeline_records(timeline_path):
         times = {entry["state"]: entry["time_s"] for entry in record.get("timeline", ())}
         if "TRANSMISSION" not in times or "GENERATING" not in times or times.get("QUEUED", 0.0) < since_s:
             continue
@@ -184,13 +190,7 @@ def _timelines(timeline_path: Path) -> list[dict[str, Any]]:
     """Per ended request: its first time in each global state (wall clock), its prompt length
     ("prompt_tokens") and the instance that ran its context ("context_instance")."""
     out = []
-    if not timeline_path.exists():
-        return out
-    for line in timeline_path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in _timeline_records(timeline_path):
         times: dict[str, Any] = {}
         for entry in record.get("timeline", ()):
             times.setdefault(entry["state"], entry["time_s"])
