@@ -23,7 +23,6 @@ import json
 import logging
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch
 
 from worker.engine import Engine
 from worker.engine_types import EngineConfig
+from worker.json_lines import JsonLinesFile
 from worker.model_runner import ModelRunner, SequenceChunk
 from worker.protocol import RequestType, SubmitRequest
 from worker.sampling import SamplingParams
@@ -102,10 +102,8 @@ class StepLog:
     pass writes nothing."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8", buffering=1)
-        self._lock = threading.Lock()
+        self._lines = JsonLinesFile(path)
+        self.path = self._lines.path
         self.recorder: _BatchRecorder | None = None
 
     def runner_factory(self, model, kv_cache) -> _BatchRecorder:
@@ -118,19 +116,13 @@ class StepLog:
             return
         ctx, pairs, seqs, ctx_tokens = recorder.last
         recorder.last = None
-        line = json.dumps({
+        self._lines.write({
             "t": round(time.time(), 6), "ctx": ctx, "pairs": pairs, "seqs": seqs, "dctx": ctx_tokens,
             "s": round(step_s, 7), "loop_s": round(loop_s, 7),
         })
-        with self._lock:
-            if self._file is not None:
-                self._file.write(line + "\n")
 
     def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        self._lines.close()
 
 
 def read_step_logs(paths: Iterable[str | Path], seconds: str = "loop_s", since_s: float = 0.0) -> list[StepSample]:

@@ -29,13 +29,12 @@ error, usage, instances used and the state timeline (wall-clock seconds), for of
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 from collections import Counter as Tally
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -50,6 +49,7 @@ from prometheus_client import (
 from cluster.router.actions import NoteInconsistent, TransferNote
 from cluster.router.api import FinalEvent, InstanceHealthView, ModelInfo
 from cluster.router.config import RecoveryAction
+from worker.json_lines import JsonLinesFile
 
 if TYPE_CHECKING:
     from cluster.router.fleet import Member
@@ -173,10 +173,8 @@ class TimelineLog:
     """Appends one JSON line per ended request (thread-safe, line-buffered)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8", buffering=1)
-        self._lock = threading.Lock()
+        self._lines = JsonLinesFile(path)
+        self.path = self._lines.path
 
     def write(self, request_id: str, client_request_id: str | None, final: FinalEvent) -> None:
         record = {
@@ -198,16 +196,10 @@ class TimelineLog:
                 {"state": e.state, "time_s": e.time_s, "instance_id": e.instance_id, "detail": e.detail} for e in final.timeline
             ],
         }
-        line = json.dumps(record, ensure_ascii=False)
-        with self._lock:
-            if self._file is not None:
-                self._file.write(line + "\n")
+        self._lines.write(record)
 
     def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        self._lines.close()
 
 
 class RouterObserver:
