@@ -371,21 +371,19 @@ class _PushRun:
             checksum_algorithms=config.checksum_algorithm_values,
             shm_offer=offer,
         )
-        while True:
-            try:
-                answer = connections.prepare(request, timeout=self.remaining_s(), metadata=metadata)
-                break
-            except grpc.RpcError as error:
-                failure = self._failure_from_rpc(error)
-                if failure.reason is FailureReason.DEADLINE_EXCEEDED:
-                    self._send_abort(connections, failure)  # the receiver may have opened it after all
-                return failure
-            except ValueError as error:  # the channel was closed under us (see _closed_channel)
-                fresh = self._reconnected(connections)
-                if fresh is None:
-                    return self._channel_closed(connections, error)
-                connections = fresh
-                request.timeout_s = self.remaining_s()
+        def prepare(on: _Connections) -> pb.KvPrepareResponse:
+            request.timeout_s = self.remaining_s()
+            return on.prepare(request, timeout=self.remaining_s(), metadata=metadata)
+
+        try:
+            connections, answer = self._reconnecting(connections, prepare)
+        except grpc.RpcError as error:
+            failure = self._failure_from_rpc(error)
+            if failure.reason is FailureReason.DEADLINE_EXCEEDED:
+                self._send_abort(self._live or connections, failure)  # the receiver may have opened it after all
+            return failure
+        except ValueError as error:  # the channel was closed under us (see _closed_channel)
+            return self._channel_closed(self._live or connections, error)
 
         # The receiver checked us; now we check the receiver, before any byte moves.
         try:
@@ -429,17 +427,26 @@ class _PushRun:
             return None
 
         commit = self._commit_request()
-        while True:
-            try:
-                connections.commit(commit, timeout=max(self.remaining_s(), 0.001), metadata=metadata)
-                return None
-            except grpc.RpcError as error:
-                return self._fail(connections, self._failure_from_rpc(error))
-            except ValueError as error:
-                fresh = self._reconnected(connections)
-                if fresh is None:
-                    return self._fail(connections, self._channel_closed(connections, error))
-                connections = fresh
+        try:
+            self._reconnecting(connections, lambda on: on.commit(commit, timeout=max(self.remaining_s(), 0.001), metadata=metadata))
+        except grpc.RpcError as error:
+            return self._fail(self._live or connections, self._failure_from_rpc(error))
+        except ValueError as error:
+            live = self._live or connections
+            return self._fail(live, self._channel_closed(live, error))
+        return None
+
+    def _reconnecting(self, connections: _Connections, invoke: Callable[[_Connections], Any]) -> tuple[_Connections, Any]:
+        """`invoke(connections)`, and once more on fresh connections when the channel was closed on
+        this side before the call could start (`_reconnected`): the connections used and the result.
+        A ValueError that remains (no reconnect allowed, or closed again) propagates."""
+        try:
+            return connections, invoke(connections)
+        except ValueError:
+            fresh = self._reconnected(connections)
+            if fresh is None:
+                raise
+        return fresh, invoke(fresh)
 
     def _reconnected(self, closed: _Connections) -> _Connections | None:
         """Fresh connections to the target in place of `closed`, which were closed on this side (by
@@ -510,22 +517,17 @@ class _PushRun:
         done = self._done
         calls = []
         for index, stream_frames in enumerate(frames):
+
+            def start(on: _Connections, index: int = index, stream_frames: Iterator[bytes] = stream_frames) -> grpc.Future:
+                # gRPC has not consumed the iterator of a call that could not start: it can go again.
+                return on.pushes[index % len(on.pushes)].future(stream_frames, timeout=max(self.remaining_s(), 0.001), metadata=metadata)
+
             try:
-                call = connections.pushes[index % len(connections.pushes)].future(
-                    stream_frames, timeout=max(self.remaining_s(), 0.001), metadata=metadata
-                )
+                # Only the first stream may reconnect: later ones' siblings already run on these.
+                connections, call = self._reconnecting(connections, start) if not calls else (connections, start(connections))
             except ValueError as error:  # closed meanwhile (an earlier stream's failure, or another push's)
-                fresh = None if calls else self._reconnected(connections)
-                if fresh is None:
-                    failure = self.local_failure or self._channel_closed(connections, error)
-                    return self._fail(connections, failure, calls)
-                connections = fresh
-                try:  # gRPC has not consumed the iterator of a call that could not start
-                    call = connections.pushes[index % len(connections.pushes)].future(
-                        stream_frames, timeout=max(self.remaining_s(), 0.001), metadata=metadata
-                    )
-                except ValueError as again:
-                    return self._fail(connections, self.local_failure or self._channel_closed(connections, again), calls)
+                live = self._live or connections
+                return self._fail(live, self.local_failure or self._channel_closed(live, error), calls)
             call.add_done_callback(done.put)
             calls.append(call)
         failure = self._wait(calls, done)
