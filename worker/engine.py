@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -79,6 +78,7 @@ from worker.protocol import (
 from worker.sampler import Sampler, SampleRow
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason, StopChecker
+from worker.transfer_source import EngineTransferSource
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _Tracked:
     pending_push: object | None = None
     # CONTEXT_ONLY: the source of a push that started while the context still computes (its
     # finished chunks' full blocks are pushed as they become final).
-    stream: _TransferSource | None = None
+    stream: EngineTransferSource | None = None
 
 
 def _mix_seed(engine_seed: int, request_id: str) -> int:
@@ -189,8 +189,8 @@ class Engine:
         )
         self._pending_outputs: list[RequestOutput] = []
         self._events: list[StateEvent] = []
-        self._ready_pushes: list[tuple[object, _TransferSource | None]] = []
-        self._finishing_streams: list[tuple[_TransferSource, tuple[int, ...]]] = []
+        self._ready_pushes: list[tuple[object, EngineTransferSource | None]] = []
+        self._finishing_streams: list[tuple[EngineTransferSource, tuple[int, ...]]] = []
         # Chunk streaming needs blocks that stay put until the push returns: no capacity policy
         # that pauses (and frees) a running context.
         self._stream_kv = cfg.stream_kv_chunks and cfg.capacity_policy is not CapacitySchedulerPolicy.MAX_UTILIZATION
@@ -483,11 +483,11 @@ class Engine:
         data = source.read(0, self.layout.num_layers, 0, source.num_blocks)
         return self.layout, bytes(data)
 
-    def transfer_source(self, request_id: str) -> _TransferSource:
+    def transfer_source(self, request_id: str) -> EngineTransferSource:
         tracked = self._requests.get(request_id)
         if tracked is None or tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             raise EngineError(f"request {request_id!r} is not waiting to hand over its KV")
-        return _TransferSource(self, list(self.blocks.block_ids(request_id)))
+        return EngineTransferSource(self.kv_cache, self.layout, list(self.blocks.block_ids(request_id)))
 
     def defer_push(self, request_id: str, push: object) -> bool:
         """Keep a push until the request's context is done (True), if it is still computing it;
@@ -501,7 +501,7 @@ class Engine:
         self._record(tracked, tracked.llm.state, "KV target reserved: pushing when the context is done")
         return True
 
-    def drain_ready_pushes(self) -> list[tuple[object, _TransferSource | None]]:
+    def drain_ready_pushes(self) -> list[tuple[object, EngineTransferSource | None]]:
         """Pushes to start at once: (push, None) for a request whose context completed since the
         last call (its source comes from `begin_push`), (push, source) for one streaming the
         finished chunks of a context still computing (the source is pinned already)."""
@@ -525,7 +525,7 @@ class Engine:
             return
         if ready == 0:
             return
-        source = _TransferSource(self, list(self.blocks.block_ids(llm.request_id)), ready_blocks=ready)
+        source = EngineTransferSource(self.kv_cache, self.layout, list(self.blocks.block_ids(llm.request_id)), ready_blocks=ready)
         self.handover.pin(tracked.handover)
         self.num_streamed_pushes += 1
         tracked.stream = source
@@ -551,7 +551,7 @@ class Engine:
 
         self._end_when_unpinned(tracked, end)
 
-    def begin_push(self, request_id: str) -> _TransferSource:
+    def begin_push(self, request_id: str) -> EngineTransferSource:
         """Pin the request's blocks for a push from another thread: its lease cannot free them until
         the push's result comes back through `report_push`."""
         source = self.transfer_source(request_id)
@@ -753,46 +753,3 @@ class Engine:
             prefix_events=tuple(self.blocks.drain_events()),
             num_finished=self.num_finished,
         )
-
-
-class _TransferSource:
-    """TransferSource over a request's blocks on the prefill side. A streaming one
-    (StreamingTransferSource) starts with the blocks of the finished chunks of a context still
-    computing: the engine thread advances it, finishes it (every block final, the output tokens
-    known) or cancels it, and the push thread waits on it."""
-
-    def __init__(self, engine: Engine, block_ids: list[int], *, ready_blocks: int | None = None) -> None:
-        self._cache = engine.kv_cache
-        self._block_ids = block_ids
-        self.layout = engine.layout
-        self.num_blocks = len(block_ids)
-        self.output_token_ids: tuple[int, ...] = ()
-        self._ready = threading.Condition()
-        self._ready_blocks = self.num_blocks if ready_blocks is None else ready_blocks
-        self._cancelled = False
-
-    def advance(self, ready_blocks: int) -> None:
-        with self._ready:
-            self._ready_blocks = max(self._ready_blocks, min(ready_blocks, self.num_blocks))
-            self._ready.notify_all()
-
-    def finish(self, output_token_ids: tuple[int, ...]) -> None:
-        with self._ready:
-            self.output_token_ids = output_token_ids
-            self._ready_blocks = self.num_blocks
-            self._ready.notify_all()
-
-    def cancel(self) -> None:
-        with self._ready:
-            self._cancelled = True
-            self._ready.notify_all()
-
-    def wait_ready(self, have_blocks: int, timeout_s: float) -> int:
-        with self._ready:
-            self._ready.wait_for(lambda: self._cancelled or self._ready_blocks > have_blocks, timeout=timeout_s)
-            return -1 if self._cancelled else self._ready_blocks
-
-    def read(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> memoryview:
-        with torch.inference_mode():
-            flat = self._cache.export_uint8(self._block_ids[block_start:block_end], layer_start, layer_end)
-        return memoryview(flat.numpy())
