@@ -28,10 +28,10 @@ from typing import Any
 import msgspec
 
 from worker.engine_types import EngineConfig
-from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransportSecurity
+from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransferConfigError, TransportSecurity
 from worker.kv_transfer.failures import FailureReason, TransferFailure
 from worker.kv_transfer.faults import FaultInjector
-from worker.kv_transfer.tls import TlsConfig
+from worker.kv_transfer.tls import TlsConfig, TlsConfigError
 from worker.protocol import (
     Abort,
     Ack,
@@ -56,6 +56,7 @@ from worker.protocol import (
     Rejected,
     Release,
     Renew,
+    ReplaceTransferTls,
     Reply,
     ReservationNotice,
     Submit,
@@ -315,6 +316,9 @@ class Instance:
                     return Drained(self._drain(command.timeout_s))
                 case KvDigest():
                     return Digest(self._kv_digest(command.request_id, command.num_tokens))
+                case ReplaceTransferTls():
+                    self._replace_transfer_tls(command.tls)
+                    return Ack()
         except (EngineInputError, InvalidSamplingParams) as error:
             return Rejected(error.field, error.message)
         except InstanceError as error:
@@ -365,6 +369,20 @@ class Instance:
             push_results=tuple(pushes),
             load=load,
         )
+
+    def _replace_transfer_tls(self, tls: TlsConfig) -> None:
+        """A certificate reissued for this process (the deployer's CA issues one when the instance
+        restarts: Ray restarts the actor from its original spec, so it came back with its
+        predecessor's). Connections made from now on, both ways, use it."""
+        if self.spec.transfer_tls is None:
+            raise EngineInputError("tls", "this instance's KV transfers are plain TCP: it has no certificate to replace")
+        try:
+            for side in (self.receiver, self.sender):
+                if side is not None:
+                    side.replace_tls(tls)
+        except (TransferConfigError, TlsConfigError) as error:
+            raise EngineInputError("tls", str(error)) from None
+        logger.info("instance %s: KV transfer certificate replaced", self.spec.instance_id)
 
     def _kv_digest(self, request_id: str, num_tokens: int) -> str:
         """sha256 of the request's KV for token positions [0, num_tokens), every layer (for tests and

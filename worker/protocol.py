@@ -6,8 +6,8 @@ of vLLM's MsgpackEncoder / MsgpackDecoder (vllm/v1/serial_utils.py), without its
 Nothing here is ever pickled: a value msgspec cannot encode is an error.
 
 What crosses:
-- router -> instance, one `Command` per call: Submit, Abort, Push, Release, Poll, GetInfo, Ping,
-  Drain, KvDigest (worker/instance.py `Instance.handle` takes it);
+- router -> instance, one `Command` per call: Submit, Abort, Push, Renew, Release, Poll, GetInfo,
+  Ping, Drain, KvDigest, ReplaceTransferTls (worker/instance.py `Instance.handle` takes it);
 - instance -> router, one `Reply`: Ack, Pong, Drained, Digest, InstanceInfo, PollBatch, or one of
   the two refusals: `Rejected` (the request's input was refused: a client error naming the field)
   and `Unavailable` (the instance is stopped, draining or its loop died);
@@ -43,6 +43,7 @@ from scheduler.config import NamedEnum
 from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.failures import FailureReason
+from worker.kv_transfer.tls import TlsConfig
 from worker.sampler_types import SampleLogprobs
 from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
@@ -459,7 +460,15 @@ class KvDigest(_Command):
     num_tokens: int
 
 
-Command = Submit | Abort | Push | Renew | Release | Poll | GetInfo | Ping | Drain | KvDigest
+class ReplaceTransferTls(_Command):
+    """Use this certificate and key (reissued by the deployer's CA when the instance restarted) on
+    the KV transfer path from now on, as receiver and as sender. Ack; Rejected when the instance's
+    transfers are plain TCP (it has no certificate to replace)."""
+
+    tls: TlsConfig
+
+
+Command = Submit | Abort | Push | Renew | Release | Poll | GetInfo | Ping | Drain | KvDigest | ReplaceTransferTls
 
 
 # --- the codec ----------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@
     step_log_dir: null     # each instance's engine steps as JSON lines (duet profile --deployed fits them)
     faults: null           # a fault plan (worker/kv_transfer/faults.py) for chaos runs; off by default
     kv_transfer: {data_plane: auto, sender: {num_streams: 4, num_connections: 4, max_chunk_bytes: 4194304, checksum_algorithms: [XXH3_64, CRC32]},
-                  receiver: {max_open_transfers: 16}, bind_host: null, tls: auto, tls_validity_days: 365}
+                  receiver: {max_open_transfers: 16}, bind_host: null, tls: auto, tls_validity_days: 365,
+                  tls_certificate_chain: null, tls_private_key: null, tls_root_certificates: null, tls_server_name: null}
     ray: {address: null, num_cpus: null, dashboard_host: 127.0.0.1, include_dashboard: false}
 
 Per instance group: `num_cpus` (fractions allowed, so 2 PREFILL + 2 GENERATION fit on 2 CPUs),

@@ -12,6 +12,7 @@ import os
 import re
 import secrets
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ from worker.protocol import Encoder, InstanceRole, Ping
 
 if TYPE_CHECKING:
     from worker.kv_transfer.certificates import DeploymentCa
+    from worker.kv_transfer.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +138,14 @@ def transfer_bind_host(config: ClusterConfig, nodes: list[dict[str, Any]]) -> st
 
 def transfer_tls_wanted(config: ClusterConfig, nodes: list[dict[str, Any]]) -> bool:
     """Whether every KV transfer of the deployment is mutual TLS (`kv_transfer.tls`, `nodes`:
-    ray.nodes()). auto: yes when a transfer can go from one Ray node to another, that is when more
-    than one node is alive or the cluster was joined by address (nodes may join later); no on a
-    lone embedded node, where a transfer never leaves the process's host. off: never."""
-    return config.kv_transfer.get("tls", "auto") != "off" and _spans_nodes(config, nodes)
+    ray.nodes()). auto: yes when certificates are configured, or a transfer can go from one Ray
+    node to another, that is when more than one node is alive or the cluster was joined by address
+    (nodes may join later); no on a lone embedded node, where a transfer never leaves the process's
+    host. on: always. off: never."""
+    section = load_config(KvTransferConfig, config.kv_transfer)
+    if section.tls == "off":
+        return False
+    return section.tls == "on" or section.tls_files is not None or _spans_nodes(config, nodes)
 
 
 def _joined(config: ClusterConfig) -> bool:
@@ -209,8 +215,11 @@ class Deployment:
         self.deployment_id = secrets.token_hex(3)  # in actor names, so deployments never clash
         self.clients: dict[str, RayInstanceClient] = {}
         self._started_ray = False
-        # The public certificate of the KV transfer CA when transfers are mTLS (its key is never kept).
+        # The public certificate of the KV transfer CA when transfers are mTLS.
         self.transfer_ca_pem: bytes | None = None
+        # The generated CA, kept (in this process's memory only: its key is never serialised) for
+        # the deployment's life, so that a restarted instance gets a fresh certificate from it.
+        self._transfer_ca: DeploymentCa | None = None
 
     def connect(self) -> None:
         """Connect to (or start) Ray. Call it from the main thread: Ray installs signal handlers."""
@@ -230,7 +239,7 @@ class Deployment:
         strategy = "SPREAD" if self.config.placement_strategy == "spread" else "DEFAULT"
         nodes = ray.nodes()
         transfer_host = transfer_bind_host(self.config, nodes)
-        transfer_ca = self._transfer_ca(nodes)
+        transfer_certificate = self._transfer_certificates(nodes)
         pending = {}
         for item in planned:
             spec = InstanceSpec(
@@ -241,7 +250,7 @@ class Deployment:
                 device=self.config.device,
                 transfer_host=transfer_host,
                 cluster_token=self.cluster_token,
-                transfer_tls=transfer_ca.issue(item.instance_id) if transfer_ca is not None else None,
+                transfer_tls=transfer_certificate(item.instance_id) if transfer_certificate is not None else None,
                 torch_threads=item.group.torch_threads,
                 faults=self.config.faults,
                 sender=self._kv_section("sender"),
@@ -278,7 +287,8 @@ class Deployment:
         except BaseException:
             self.stop()
             raise
-        self.clients = {iid: RayInstanceClient(iid, actor) for iid, actor in self.actors.items()}
+        reissue = self._transfer_ca.issue if self._transfer_ca is not None else None
+        self.clients = {iid: RayInstanceClient(iid, actor, issue_certificate=reissue) for iid, actor in self.actors.items()}
         logger.info("started %d instances: %s", len(self.actors), ", ".join(self.actors))
         return list(self.clients.values())
 
@@ -290,24 +300,39 @@ class Deployment:
             return section
         return {**(section or {}), "data_plane": data_plane}
 
-    def _transfer_ca(self, nodes: list[dict[str, Any]]) -> DeploymentCa | None:
-        """This deployment's KV transfer CA when its transfers are mTLS, else None. The CA (and so
-        its key) lives only in this call's caller: certificates are issued at deploy time, here."""
+    def _transfer_certificates(self, nodes: list[dict[str, Any]]) -> Callable[[str], TlsConfig] | None:
+        """What gives each instance its KV transfer certificate when transfers are mTLS, else None:
+        the configured files (the same for every instance), or a CA made for this deployment, which
+        stays in this process (certificates are issued here, at deploy time and on restarts)."""
+        section = load_config(KvTransferConfig, self.config.kv_transfer)
+        self.transfer_ca_pem = None
+        self._transfer_ca = None
         if not transfer_tls_wanted(self.config, nodes):
             if _spans_nodes(self.config, nodes):
                 logger.warning(
                     "kv_transfer.tls is off: KV cache moves between Ray nodes in plain TCP "
                     "(readable and alterable by anyone on the network path; the cluster token still authenticates)"
                 )
-            self.transfer_ca_pem = None
             return None
+        from worker.kv_transfer.tls import TlsConfig, TlsConfigError
+
+        if section.tls_files is not None:
+            try:
+                configured = TlsConfig.from_files(*section.tls_files, server_name_override=section.tls_server_name)
+            except (OSError, TlsConfigError) as error:
+                raise DeploymentError(f"kv_transfer: the configured TLS certificates cannot be used: {error}") from None
+            self.transfer_ca_pem = configured.root_certificates_pem
+            logger.info("KV transfers are mutual TLS with the configured certificates")
+            return lambda _instance_id: configured
         from worker.kv_transfer.certificates import DeploymentCa
 
-        validity_days = load_config(KvTransferConfig, self.config.kv_transfer).tls_validity_days
-        ca = DeploymentCa(self.deployment_id, validity_days=validity_days)
+        ca = DeploymentCa(self.deployment_id, validity_days=section.tls_validity_days)
+        self._transfer_ca = ca
         self.transfer_ca_pem = ca.root_pem
-        logger.info("KV transfers are mutual TLS: a deployment CA issued each instance a certificate (%d days)", validity_days)
-        return ca
+        logger.info(
+            "KV transfers are mutual TLS: a deployment CA issued each instance a certificate (%d days)", section.tls_validity_days
+        )
+        return ca.issue
 
     def stop(self) -> None:
         import ray
@@ -318,6 +343,7 @@ class Deployment:
             except Exception as error:  # noqa: BLE001 - best effort on the way out
                 logger.debug("killing %s: %s", instance_id, error)
         self.actors.clear()
+        self._transfer_ca = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False

@@ -72,6 +72,10 @@ def check_before_start(config: ClusterConfig) -> None:
         file = getattr(config.frontend, setting)
         if file is not None:
             check_readable(file, f"frontend.{setting}")
+    for setting in ("tls_certificate_chain", "tls_private_key", "tls_root_certificates"):
+        file = config.kv_transfer.get(setting)
+        if file is not None:
+            check_readable(file, f"kv_transfer.{setting}")
     check_ports(ports_to_bind(config))
 
 

@@ -642,6 +642,7 @@ class Router:
             if not member.dead:
                 await self._declare_dead(member, "restarted")
             member.info = await member.client.get_info()
+            await self._restarted(member)
         if member.dead:
             self.fleet.revive(member)  # back (SIGCONT, restart)
         if member.to_abort:
@@ -683,6 +684,18 @@ class Router:
             hop = self._hop(member, push.request_id)
             if hop is not None:
                 await self._run(hop[0], hop[0].flow.on_push_result(hop[1], push, self._clock(), self.fleet))
+
+    async def _restarted(self, member: Member) -> None:
+        """Hand a new incarnation what its spec could not give it (a reissued transfer certificate).
+        A failure is logged, not fatal: the instance still serves, with its predecessor's certificate."""
+        restarted = getattr(member.client, "restarted", None)
+        if restarted is None:
+            return
+        try:
+            if await restarted():
+                logger.info("instance %s: a reissued KV transfer certificate was handed over", member.instance_id)
+        except (InstanceUnavailable, InstanceRejected) as error:
+            logger.warning("instance %s restarted, but its KV transfer certificate was not reissued: %s", member.instance_id, error)
 
     def _hop(self, member: Member, engine_id: str) -> tuple[_Entry, Attempt] | None:
         """The request and hop a report is about, if it is a hop of a request still in flight on

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from worker.kv_transfer.failures import FailureReason
+from worker.kv_transfer.tls import TlsConfig
 from worker.protocol import (
     Abort,
     Ack,
@@ -42,6 +44,7 @@ from worker.protocol import (
     Rejected,
     Release,
     Renew,
+    ReplaceTransferTls,
     Reply,
     Submit,
     SubmitRequest,
@@ -102,6 +105,9 @@ class InstanceClient(Protocol):
     # Optional (the router probes only clients that have it):
     # async def probe(self, timeout_s: float, incarnation: str) -> str | None
     #     why the instance is known to be gone, or None when nothing says so (a slow answer says nothing)
+    # async def restarted(self) -> bool
+    #     a new incarnation answered: hand it what its predecessor's spec could not give it (a
+    #     reissued transfer certificate); whether anything was handed over
 
 
 class _InstanceCalls:
@@ -110,9 +116,12 @@ class _InstanceCalls:
 
     instance_id: str
 
-    def __init__(self) -> None:
+    def __init__(self, *, issue_certificate: Callable[[str], TlsConfig] | None = None) -> None:
         self._encoder = Encoder()
         self._decoder: Decoder[Reply] = Decoder(Reply)
+        # The deployer's CA (DeploymentCa.issue) when the instance's transfers are mutual TLS with
+        # generated certificates: a restarted instance gets a fresh certificate from it.
+        self._issue_certificate = issue_certificate
 
     async def _send(self, payload: bytes, name: str, timeout_s: float) -> bytes:
         raise NotImplementedError
@@ -148,6 +157,16 @@ class _InstanceCalls:
             return None if error.late else f"the probe failed: {error}"
         return None if answered == incarnation else "restarted (another incarnation answers)"
 
+    async def restarted(self) -> bool:
+        """A new incarnation answered. Ray restarted the actor from its original spec, with its
+        predecessor's transfer certificate: issue it a fresh one (when this client holds the
+        deployer's CA) and hand it over. Whether a certificate was handed over."""
+        if self._issue_certificate is None:
+            return False
+        tls = await asyncio.to_thread(self._issue_certificate, self.instance_id)  # key generation: ~ms
+        await self._call(ReplaceTransferTls(tls), Ack)
+        return True
+
     async def submit(self, request: SubmitRequest) -> None:
         await self._call(Submit(request), Ack, timeout_s=CALL_TIMEOUT_S)
 
@@ -175,8 +194,8 @@ class _InstanceCalls:
 class RayInstanceClient(_InstanceCalls):
     """An instance hosted by a Ray actor (worker.instance.Instance wrapped with ray.remote)."""
 
-    def __init__(self, instance_id: str, actor: Any) -> None:
-        super().__init__()
+    def __init__(self, instance_id: str, actor: Any, *, issue_certificate: Callable[[str], TlsConfig] | None = None) -> None:
+        super().__init__(issue_certificate=issue_certificate)
         self.instance_id = instance_id
         self.actor = actor
 
@@ -225,8 +244,8 @@ def ray_actor_state(actor: Any) -> str | None:
 class LocalInstanceClient(_InstanceCalls):
     """An instance in this process (tests, single-process tools): calls run on worker threads."""
 
-    def __init__(self, instance: Any) -> None:
-        super().__init__()
+    def __init__(self, instance: Any, *, issue_certificate: Callable[[str], TlsConfig] | None = None) -> None:
+        super().__init__(issue_certificate=issue_certificate)
         self.instance = instance
         self.instance_id = instance.spec.instance_id
         self.killed = False

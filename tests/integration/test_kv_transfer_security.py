@@ -4,6 +4,7 @@ checksum mismatches, incompatible layouts, and limits on concurrent transfers.""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import random
 from concurrent import futures
@@ -16,14 +17,14 @@ from worker.kv_layout import KvLayout
 from worker.kv_transfer import codec
 from worker.kv_transfer.auth import bearer_metadata
 from worker.kv_transfer.buffers import LinearKvBuffer
-from worker.kv_transfer.config import SenderConfig, TransportSecurity
+from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransferConfigError, TransportSecurity
 from worker.kv_transfer.failures import FAILURE_METADATA_KEY, FailureReason
 from worker.kv_transfer.ids import new_transfer_id
 from worker.kv_transfer.plan import ChunkSpec
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
 from worker.kv_transfer.sender import KvSender
 from worker.kv_transfer.testing import ReceiverProcess
-from worker.kv_transfer.tls import TlsConfig
+from worker.kv_transfer.tls import TlsConfig, TlsConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -614,3 +615,75 @@ def test_deployment_ca_certificates_carry_a_push_and_another_deployments_do_not(
         assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
         assert receiver.result(transfer_id, wait_s=0.0).state == "UNOPENED"
         assert receiver.is_alive()
+
+
+def _served_certificate_serial(address: str, tls: TlsConfig) -> int:
+    """The serial number of the certificate a TLS server presents to a new connection (the client
+    authenticates with `tls`, as a peer would)."""
+    import socket
+    import ssl
+    import tempfile
+
+    from cryptography import x509
+
+    from worker.kv_transfer.certificates import TRANSFER_SERVER_NAME
+
+    context = ssl.create_default_context(cadata=tls.root_certificates_pem.decode("ascii"))
+    context.set_alpn_protocols(["h2"])
+    with tempfile.NamedTemporaryFile() as chain, tempfile.NamedTemporaryFile() as key:
+        chain.write(tls.certificate_chain_pem)
+        key.write(tls.private_key_pem)
+        chain.flush()
+        key.flush()
+        context.load_cert_chain(chain.name, key.name)
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname=TRANSFER_SERVER_NAME) as wrapped:
+            return x509.load_der_x509_certificate(wrapped.getpeercert(binary_form=True)).serial_number
+
+
+def test_a_reissued_certificate_is_served_and_presented_from_the_next_connection_on() -> None:
+    from cryptography import x509
+
+    from worker.kv_transfer.certificates import DeploymentCa
+    from worker.kv_transfer.receiver import KvTransferServer
+    from worker.kv_transfer.testing import MemorySink
+
+    def serial(tls: TlsConfig) -> int:
+        return x509.load_pem_x509_certificate(tls.certificate_chain_pem).serial_number
+
+    ca = DeploymentCa("d1")
+    before, after = ca.issue("generation-0"), ca.issue("generation-0")
+    sink = MemorySink()
+    security = TransportSecurity(tls=before)
+    with KvTransferServer(sink, ReceiverConfig(max_chunk_bytes=CHUNK_LIMIT), security=security) as receiver:
+        peer = ca.issue("prefill-0")
+        assert _served_certificate_serial(receiver.address, peer) == serial(before)
+        source = LinearKvBuffer(LAYOUT, NUM_BLOCKS, bytearray(random.Random(13).randbytes(LAYOUT.run_bytes(2, NUM_BLOCKS))))
+        with KvSender(SenderConfig(max_chunk_bytes=CHUNK_LIMIT), security=TransportSecurity(tls=peer)) as sender:
+
+            def push() -> FailureReason | None:
+                transfer_id = new_transfer_id()
+                sink.expect(transfer_id, "rotated", LAYOUT, NUM_BLOCKS)
+                outcome = sender.push(receiver.address, transfer_id, "rotated", source, 5.0)
+                if outcome.ok:
+                    assert sink.data(transfer_id) == bytes(source.view)
+                return None if outcome.failure is None else outcome.failure.reason
+
+            assert push() is None
+            receiver.replace_tls(after)
+            assert _served_certificate_serial(receiver.address, peer) == serial(after)
+            assert push() is None  # the sender's connection, made before, keeps working
+            # The sender's next connections present its replacement: one of another CA is refused,
+            # one of this deployment's CA is admitted.
+            sender.replace_tls(DeploymentCa("d2").issue("prefill-0"))
+            assert push() is FailureReason.PEER_UNAVAILABLE
+            sender.replace_tls(ca.issue("prefill-0"))
+            assert push() is None
+            with pytest.raises(TlsConfigError):  # a server's client authentication is fixed at start
+                receiver.replace_tls(dataclasses.replace(after, require_client_auth=False))
+    with KvTransferServer(MemorySink(), ReceiverConfig()) as plain, KvSender() as plain_sender:
+        for side in (plain, plain_sender):
+            with pytest.raises(TransferConfigError) as raised:
+                side.replace_tls(after)
+            assert "plain TCP" in str(raised.value)

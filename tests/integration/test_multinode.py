@@ -95,6 +95,8 @@ def test_the_kv_path_between_nodes_is_mutual_tls_without_any_certificate_configu
     import socket
     import ssl
 
+    from cryptography import x509
+
     from worker.kv_layout import KvLayout
     from worker.kv_transfer.buffers import LinearKvBuffer
     from worker.kv_transfer.certificates import TRANSFER_SERVER_NAME
@@ -133,5 +135,30 @@ def test_the_kv_path_between_nodes_is_mutual_tls_without_any_certificate_configu
             outcome = sender.push(address, new_transfer_id(), "plain", source, 5.0)
         assert outcome.failure is not None and outcome.failure.reason is FailureReason.PEER_UNAVAILABLE
         assert outcome.chunks_sent == 0
+
+        # Ray restarts a killed instance from its original spec, with its predecessor's certificate;
+        # the router sees the new incarnation and the deployer's CA reissues it one.
+        def served_serial(address: str) -> int:
+            host, port = address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=10) as raw:
+                with context.wrap_socket(raw, server_hostname=TRANSFER_SERVER_NAME) as tls:
+                    return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+
+        before = served_serial(address)
+        router = harness.router
+        incarnation = harness.call(lambda: router.fleet.get("generation-0").info.incarnation)
+        ray.kill(deployment.actors["generation-0"], no_restart=False)
+        deadline = time.monotonic() + 90
+        while True:
+            member = harness.call(lambda: router.fleet.get("generation-0"))
+            if member.info.incarnation != incarnation and not member.dead:
+                address = member.info.transfer_address
+                if served_serial(address) != before:
+                    break
+            assert time.monotonic() < deadline, "the restarted instance never served a reissued certificate"
+            time.sleep(0.2)
+        with harness.client(timeout_s=60) as client:  # and the KV path still carries a hand-over
+            done = client.complete(margin_corpus(1, 1)[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert [w.instance_id for w in done.instances] == ["prefill-0", "generation-0"]
     finally:
         harness.stop()

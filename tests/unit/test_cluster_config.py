@@ -276,28 +276,84 @@ def test_kv_transfers_are_mtls_as_soon_as_they_can_cross_ray_nodes(monkeypatch) 
     assert transfer_tls_wanted(ClusterConfig.from_dict({}), several)
     assert transfer_tls_wanted(ClusterConfig.from_dict({"ray": {"address": "10.0.0.5:6379"}}), lone)  # nodes may join
     assert not transfer_tls_wanted(ClusterConfig.from_dict({"kv_transfer": {"tls": "off"}}), several)
+    assert transfer_tls_wanted(ClusterConfig.from_dict({"kv_transfer": {"tls": "on"}}), lone)  # asked for
+    files = {"tls_certificate_chain": "c.pem", "tls_private_key": "k.pem", "tls_root_certificates": "ca.pem"}
+    assert transfer_tls_wanted(ClusterConfig.from_dict({"kv_transfer": files}), lone)  # certificates given: used
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert transfer_tls_wanted(ClusterConfig.from_dict({}), lone)
-    for bad in ({"tls": "on"}, {"tls": True}, {"tls_validity_days": 0}):
+    for bad in ({"tls": "always"}, {"tls": True}, {"tls_validity_days": 0}, {"tls_private_key": ""}):
         with pytest.raises(ConfigError) as raised:
             ClusterConfig.from_dict({"kv_transfer": bad})
         assert f"kv_transfer.{next(iter(bad))}" in str(raised.value)
+    for bad, needle in [
+        ({"tls_certificate_chain": "c.pem"}, "go together"),
+        ({**files, "tls": "off"}, "tls is off, yet certificates are configured"),
+        ({"tls_server_name": "kv.example"}, "configure them too"),
+    ]:
+        with pytest.raises(ConfigError) as raised:
+            ClusterConfig.from_dict({"kv_transfer": bad})
+        assert needle in str(raised.value)
 
 
-def test_the_deployment_ca_is_made_only_for_mtls_and_tls_off_is_a_warning(monkeypatch, caplog) -> None:
+def test_the_deployment_ca_is_made_only_for_mtls_kept_for_reissue_and_tls_off_is_a_warning(monkeypatch, caplog) -> None:
     import logging
+
+    from cryptography import x509
 
     from cluster.deploy.launch import Deployment
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     several = [{"NodeManagerAddress": "127.0.0.1", "Alive": True}] * 2
     deployment = Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls_validity_days": 30}}))
-    ca = deployment._transfer_ca(several)
-    assert ca is not None and deployment.transfer_ca_pem == ca.root_pem
-    assert ca.issue("prefill-0").root_certificates_pem == deployment.transfer_ca_pem
+    issue = deployment._transfer_certificates(several)
+    assert issue is not None and deployment.transfer_ca_pem is not None
+    first, again = issue("prefill-0"), issue("prefill-0")
+    assert first.root_certificates_pem == again.root_certificates_pem == deployment.transfer_ca_pem
+    # A restarted instance gets another certificate of the same CA (the deployment keeps its CA).
+    serials = {x509.load_pem_x509_certificate(tls.certificate_chain_pem).serial_number for tls in (first, again)}
+    assert len(serials) == 2
+    assert deployment._transfer_ca is not None and deployment._transfer_ca.issue == issue
     lone = Deployment(ClusterConfig.from_dict({}))
-    assert lone._transfer_ca(several[:1]) is None and lone.transfer_ca_pem is None
+    assert lone._transfer_certificates(several[:1]) is None and lone.transfer_ca_pem is None
+    assert Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls": "on"}}))._transfer_certificates(several[:1]) is not None
     off = Deployment(ClusterConfig.from_dict({"kv_transfer": {"tls": "off"}}))
     with caplog.at_level(logging.WARNING, logger="cluster.deploy.launch"):
-        assert off._transfer_ca(several) is None
+        assert off._transfer_certificates(several) is None
     assert any("kv_transfer.tls is off" in record.getMessage() for record in caplog.records)
+
+
+def test_configured_certificates_go_to_every_instance_and_are_not_reissued(monkeypatch, tmp_path) -> None:
+    from cluster.deploy.launch import Deployment, DeploymentError
+    from cluster.deploy.preflight import StartupError, check_before_start
+    from worker.kv_transfer.certificates import DeploymentCa
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    mine = DeploymentCa("users-own").issue("any")  # stands for certificates a user made
+    (tmp_path / "chain.pem").write_bytes(mine.certificate_chain_pem)
+    (tmp_path / "key.pem").write_bytes(mine.private_key_pem)
+    (tmp_path / "ca.pem").write_bytes(mine.root_certificates_pem)
+    files = {
+        "tls_certificate_chain": str(tmp_path / "chain.pem"),
+        "tls_private_key": str(tmp_path / "key.pem"),
+        "tls_root_certificates": str(tmp_path / "ca.pem"),
+        "tls_server_name": "kv.example.internal",
+    }
+    lone = [{"NodeManagerAddress": "127.0.0.1", "Alive": True}]
+    deployment = Deployment(ClusterConfig.from_dict({"kv_transfer": files}))
+    issue = deployment._transfer_certificates(lone)  # configured: mTLS even on one node
+    assert issue is not None
+    for instance_id in ("prefill-0", "generation-0"):
+        tls = issue(instance_id)
+        assert (tls.certificate_chain_pem, tls.private_key_pem) == (mine.certificate_chain_pem, mine.private_key_pem)
+        assert tls.server_name_override == "kv.example.internal"
+    assert deployment.transfer_ca_pem == mine.root_certificates_pem
+    assert deployment._transfer_ca is None  # the user's certificates are the user's to renew
+
+    (tmp_path / "key.pem").write_bytes(b"not a key")
+    with pytest.raises(DeploymentError) as raised:
+        Deployment(ClusterConfig.from_dict({"kv_transfer": files}))._transfer_certificates(lone)
+    assert "private_key_pem must be PEM" in str(raised.value)
+    missing = {**files, "tls_root_certificates": str(tmp_path / "absent.pem")}
+    with pytest.raises(StartupError) as failed:  # `duet serve` says so before starting Ray
+        check_before_start(ClusterConfig.from_dict({"kv_transfer": missing, "frontend": {"port": 0, "metrics_port": 0, "http_port": 0}}))
+    assert "kv_transfer.tls_root_certificates" in str(failed.value)

@@ -156,3 +156,31 @@ def test_a_killed_client_is_unavailable_without_calling():
     with pytest.raises(InstanceUnavailable, match="killed"):
         run(client.ping())
     assert instance.commands == []
+
+
+def test_a_restarted_instance_gets_a_certificate_reissued_by_the_deployers_ca_and_only_then():
+    from cryptography import x509
+
+    from worker.kv_transfer.certificates import DeploymentCa
+    from worker.protocol import ReplaceTransferTls
+
+    ca = DeploymentCa("d1")
+    issued: list[str] = []
+
+    def issue(instance_id: str):
+        issued.append(instance_id)
+        return ca.issue(instance_id)
+
+    instance = FakeInstance(normal)
+    assert run(LocalInstanceClient(instance).restarted()) is False  # no CA held: nothing to hand over
+    assert instance.commands == []
+    assert run(LocalInstanceClient(instance, issue_certificate=issue).restarted()) is True
+    assert issued == ["m0"]
+    [command] = instance.commands
+    assert isinstance(command, ReplaceTransferTls)  # it crossed the codec whole: key, chain, CA
+    certificate = x509.load_pem_x509_certificate(command.tls.certificate_chain_pem)
+    assert certificate.issuer == x509.load_pem_x509_certificate(ca.root_pem).subject
+    assert "PRIVATE KEY" not in repr(command)  # the key is never printed
+    plain = FakeInstance(lambda command: Rejected("tls", "this instance's KV transfers are plain TCP"))
+    with pytest.raises(InstanceRejected):
+        run(LocalInstanceClient(plain, issue_certificate=issue).restarted())

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from scheduler.block_manager import PrefixEvent, PrefixEventKind
 from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
+from worker.kv_transfer.certificates import DeploymentCa
 from worker.kv_transfer.failures import FailureReason
 from worker.protocol import (
     MAX_BLOCK_HASH,
@@ -43,6 +44,8 @@ from worker.protocol import (
     PushResult,
     Rejected,
     Release,
+    Renew,
+    ReplaceTransferTls,
     Reply,
     RequestError,
     RequestOutput,
@@ -121,6 +124,8 @@ COMMANDS = [
     Ping(),
     Drain(5.0),
     KvDigest("r", 16),
+    Renew(("r.g1", "r.g2")),
+    ReplaceTransferTls(DeploymentCa("d1").issue("g0")),
 ]
 REPLIES = [INFO, BATCH, PollBatch("inc", 0), Ack(), Pong("inc"), Drained(2), Digest("ab" * 32), Rejected("prompt", "empty"),
            Unavailable("draining")]

@@ -12,7 +12,7 @@ from scripted_instance import ScriptedInstance, until
 from cluster.router.api import ClientRequest
 from cluster.router.config import RouterConfig
 from cluster.router.driver import Router
-from cluster.router.instance_client import InstantInstanceClient
+from cluster.router.instance_client import InstanceRejected, InstantInstanceClient
 from worker.instant import InstantInstance, InstantNetwork
 from worker.protocol import InstanceRole, PollBatch
 from worker.sampling import SamplingParams
@@ -106,5 +106,51 @@ def test_the_probe_of_an_instance_client_names_a_new_incarnation_or_a_refusal() 
         incarnation = await client.ping()
         assert await client.probe(0.5, incarnation) is None
         assert await client.probe(0.5, "an-older-incarnation") == "restarted (another incarnation answers)"
+
+    asyncio.run(run())
+
+
+class RestartingInstance(ScriptedInstance):
+    """Counts the router's `restarted` calls; `refuse` makes them fail as a refused input would."""
+
+    def __init__(self, instance_id: str, role: InstanceRole) -> None:
+        super().__init__(instance_id, role)
+        self.restarts_seen = 0
+        self.refuse = False
+
+    async def restarted(self) -> bool:
+        self.restarts_seen += 1
+        if self.refuse:
+            raise InstanceRejected("tls", "plain TCP")
+        return True
+
+
+def test_a_new_incarnation_is_handed_what_its_spec_could_not_give_it_once_and_serves_even_if_that_fails() -> None:
+    import msgspec
+
+    async def run() -> None:
+        m0 = RestartingInstance("m0", InstanceRole.MIXED)
+        router = await _router(m0)
+        try:
+            m0.report()
+            await until(lambda: _member(router, "m0").health.name == "HEALTHY")
+            assert m0.restarts_seen == 0  # the first incarnation got everything in its spec
+            m0.info = msgspec.structs.replace(m0.info, incarnation="incarnation-2")  # Ray restarted it
+            m0.report()
+            await until(lambda: m0.restarts_seen == 1 and not _member(router, "m0").dead)
+            m0.report()
+            m0.report()
+            await asyncio.sleep(0.2)
+            assert m0.restarts_seen == 1  # once per incarnation
+            m0.refuse = True
+            m0.info = msgspec.structs.replace(m0.info, incarnation="incarnation-3")
+            m0.report()
+            await until(lambda: m0.restarts_seen == 2)
+            await until(lambda: not _member(router, "m0").dead and _member(router, "m0").info.incarnation == "incarnation-3")
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            await router.submit(ClientRequest(None, (256, 1, 2, 3), params, client_request_id="after"))
+            await until(lambda: m0.called("submit"))  # it still serves
+        finally:
+            await router.stop()
 
     asyncio.run(run())

@@ -2,9 +2,12 @@
 
 When a deployment's transfers can cross Ray nodes (`kv_transfer.tls: auto`, cluster/deploy/launch.py),
 the deploying process creates one `DeploymentCa` and issues every instance a key and a certificate
-from it (`issue`) at deploy time; the instances get them in their spec, as they get the cluster token. The CA's private key stays in the deploying process's memory: it is
-never serialised, so no instance (and no file) ever holds it, and nobody can issue another
-certificate of this deployment once the deployer is gone.
+from it (`issue`) at deploy time; the instances get them in their spec, as they get the cluster
+token. The deployment keeps its CA for its life: when an instance restarts (Ray restarts it from
+its original spec, so with its predecessor's certificate), the router hands it a fresh one from the
+same CA (cluster/router/instance_client.py `restarted`). The CA's private key stays in the deploying
+process's memory: it is never serialised, so no instance (and no file) ever holds it, and nobody can
+issue another certificate of this deployment once the deployer is gone.
 
 Every instance certificate names the one DNS name `TRANSFER_SERVER_NAME`; senders verify the
 receiver's certificate against that name (gRPC's target name override) instead of its address,

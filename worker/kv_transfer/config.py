@@ -139,13 +139,25 @@ class KvTransferConfig(_TransferSection, frozen=True):
     bind_host: Annotated[str, Meta(min_length=1)] | None = None
     """Address every instance's KV transfer server binds. None: 127.0.0.1 in the embedded
     single-host cluster, each node's own address in a multi-host one (cluster/deploy/launch.py)."""
-    tls: Literal["auto", "off"] = "auto"
+    tls: Literal["auto", "on", "off"] = "auto"
     """Mutual TLS between instances. auto: when the Ray cluster has more than one node (or was
-    joined by address), the deployer makes a per-deployment CA and gives every instance a
-    certificate from it, and every transfer is mTLS; on a single node, plain TCP. off: plain TCP
-    everywhere (logged as a warning when the cluster spans nodes)."""
+    joined by address), or certificates are configured below; on a lone embedded node, plain TCP.
+    on: always. off: plain TCP everywhere (logged as a warning when the cluster spans nodes). With
+    no certificates configured, the deployer makes a per-deployment CA and issues every instance a
+    certificate at deploy time, and a fresh one whenever the instance restarts."""
     tls_validity_days: Annotated[int, Meta(ge=1, le=3650)] = 365
     """Lifetime of the generated certificates, in days: longer than the deployment is expected to run."""
+    tls_certificate_chain: Annotated[str, Meta(min_length=1)] | None = None
+    """Your own certificates instead of generated ones: a PEM certificate chain file that every
+    instance presents (as server and as client), read on the deploying machine at deploy time.
+    Goes with tls_private_key and tls_root_certificates."""
+    tls_private_key: Annotated[str, Meta(min_length=1)] | None = None
+    """The PEM private key file of tls_certificate_chain."""
+    tls_root_certificates: Annotated[str, Meta(min_length=1)] | None = None
+    """PEM file of the CA(s) a peer's certificate must chain to."""
+    tls_server_name: Annotated[str, Meta(min_length=1)] | None = None
+    """The name senders verify in a receiver's certificate (a DNS name in its subjectAltName).
+    None: the receiver's address, which must then be an IP address in the certificate."""
     sender: SenderConfig = SenderConfig()
     """Settings of every prefill (or mixed) instance's sender."""
     receiver: ReceiverConfig = ReceiverConfig()
@@ -153,8 +165,21 @@ class KvTransferConfig(_TransferSection, frozen=True):
     data_plane: DataPlaneName | None = None
     """Sets `sender.data_plane` and `receiver.data_plane` of every instance at once (None: theirs)."""
 
+    @property
+    def tls_files(self) -> tuple[str, str, str] | None:
+        """(certificate chain, private key, root certificates) when configured, else None."""
+        files = (self.tls_certificate_chain, self.tls_private_key, self.tls_root_certificates)
+        return None if files[0] is None else files  # type: ignore[return-value] - all or none (checked)
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        files = (self.tls_certificate_chain, self.tls_private_key, self.tls_root_certificates)
+        if any(file is not None for file in files) and any(file is None for file in files):
+            raise TransferConfigError("tls_certificate_chain, tls_private_key and tls_root_certificates go together")
+        if self.tls == "off" and (files[0] is not None or self.tls_server_name is not None):
+            raise TransferConfigError("tls is off, yet certificates are configured: drop one or the other")
+        if self.tls_server_name is not None and files[0] is None:
+            raise TransferConfigError("tls_server_name names the server in your own certificates: configure them too")
         if self.data_plane is not None:
             for side in (self.sender, self.receiver):
                 if side.data_plane not in ("auto", self.data_plane):

@@ -41,6 +41,7 @@ from worker.kv_transfer.auth import TokenAuthInterceptor
 from worker.kv_transfer.config import (
     MAX_CONTROL_MESSAGE_BYTES,
     ReceiverConfig,
+    TransferConfigError,
     TransportSecurity,
     grpc_options,
 )
@@ -56,6 +57,7 @@ from worker.kv_transfer.registry import (
     TransferState,
 )
 from worker.kv_transfer.shm import PROBE_BYTES, ScratchBuffers, SegmentReader, ShmError, copy_into, copy_out
+from worker.kv_transfer.tls import ServerCertificates, TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +146,8 @@ class KvTransferServer:
         self._server: grpc.Server | None = None
         self._reaper: threading.Thread | None = None
         self._port: int | None = None
+        # The certificate it serves, replaceable while it runs (mutual TLS only).
+        self._certificates = ServerCertificates(self._security.tls) if self._security.tls is not None else None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -165,8 +169,8 @@ class KvTransferServer:
         host = f"[{config.host}]" if ":" in config.host and not config.host.startswith("[") else config.host
         bind_address = f"{host}:{config.port}"
         try:
-            if self._security.tls is not None:
-                port = server.add_secure_port(bind_address, self._security.tls.server_credentials())
+            if self._certificates is not None:
+                port = server.add_secure_port(bind_address, self._certificates.credentials())
             else:
                 port = server.add_insecure_port(bind_address)
         except RuntimeError as error:
@@ -191,6 +195,13 @@ class KvTransferServer:
             self._reaper.join()
         self._segments.close()
         self._server = None
+
+    def replace_tls(self, tls: TlsConfig) -> None:
+        """Present `tls` (a reissued certificate of the same CA) to every sender that connects from
+        now on; connections already open keep theirs. Only a mutual-TLS server has one to replace."""
+        if self._certificates is None:
+            raise TransferConfigError("this KV transfer server is plain TCP: it has no certificate to replace")
+        self._certificates.replace(tls)
 
     def __enter__(self) -> KvTransferServer:
         self.start()

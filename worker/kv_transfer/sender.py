@@ -17,6 +17,7 @@ bytes and Prepare negotiates it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -33,7 +34,7 @@ from duet_wire.v1 import kv_transfer_pb2 as pb
 from worker.kv_layout import KvLayoutError
 from worker.kv_transfer import codec
 from worker.kv_transfer.auth import bearer_metadata
-from worker.kv_transfer.config import SenderConfig, TransportSecurity, grpc_options
+from worker.kv_transfer.config import SenderConfig, TransferConfigError, TransportSecurity, grpc_options
 from worker.kv_transfer.failures import FAILURE_METADATA_KEY, FailureReason, TransferFailure, reason_from_grpc
 from worker.kv_transfer.faults import NO_CHUNK_FAULTS, FaultInjector, FaultSide
 from worker.kv_transfer.ids import check_request_id, check_transfer_id
@@ -46,6 +47,7 @@ from worker.kv_transfer.interfaces import (
 from worker.kv_transfer.plan import ChunkPlanError, ChunkSpec, assign_streams, plan_chunks
 from worker.kv_transfer.receiver import REQUEST_ID_METADATA_KEY, SERVICE_NAME, TRANSFER_ID_METADATA_KEY
 from worker.kv_transfer.shm import PROBE_BYTES, Segment, SegmentPool, ShmError
+from worker.kv_transfer.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,9 @@ class KvSender:
         self._metadata = bearer_metadata(self._security.token) if self._security.token is not None else ()
         self._lock = threading.Lock()
         self._connections: OrderedDict[str, _Connections] = OrderedDict()
+        # Connections made with a replaced certificate: pushes in flight may still use them, so
+        # they are closed with the sender, not when the certificate is replaced.
+        self._retired: list[_Connections] = []
         self._closed = False
         self._shm_tag = shm_tag
         self._shm_pool: SegmentPool | None = None
@@ -127,6 +132,8 @@ class KvSender:
         with self._lock:
             self._closed = True
             connections, self._connections = list(self._connections.values()), OrderedDict()
+            connections += self._retired
+            self._retired = []
             pool = self._shm_pool
         for connection in connections:
             connection.close()
@@ -154,6 +161,17 @@ class KvSender:
                 self._shm_problem = f"no shared-memory pool: {error}"
                 raise ShmError(self._shm_problem) from error
             return self._shm_pool
+
+    def replace_tls(self, tls: TlsConfig) -> None:
+        """Present `tls` (a reissued certificate of the same CA) on every connection made from now
+        on. The cached connections were made with the old one: later pushes open new ones, pushes in
+        flight finish on theirs. Only a mutual-TLS sender has a certificate to replace."""
+        with self._lock:
+            if self._security.tls is None:
+                raise TransferConfigError("this KV sender pushes over plain TCP: it has no certificate to replace")
+            self._security = dataclasses.replace(self._security, tls=tls)
+            self._retired.extend(self._connections.values())
+            self._connections = OrderedDict()
 
     def __enter__(self) -> KvSender:
         return self

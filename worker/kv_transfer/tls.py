@@ -1,10 +1,13 @@
 """Mutual TLS for the KV transfer path: both sides present certificates signed by the cluster's CA.
 
 Loading PEM files is I/O at the edge (`TlsConfig.from_files`); the config itself is frozen bytes.
+A receiver's certificate can be replaced while it serves (`ServerCertificates`): the deployer
+reissues an instance's certificate when the instance restarts (cluster/deploy/launch.py).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +67,11 @@ class TlsConfig:
             require_client_auth=self.require_client_auth,
         )
 
+    def server_certificate_configuration(self) -> grpc.ServerCertificateConfiguration:
+        return grpc.ssl_server_certificate_configuration(
+            [(self.private_key_pem, self.certificate_chain_pem)], root_certificates=self.root_certificates_pem
+        )
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(
             root_certificates=self.root_certificates_pem,
@@ -75,3 +83,39 @@ class TlsConfig:
         if self.server_name_override is None:
             return []
         return [("grpc.ssl_target_name_override", self.server_name_override)]
+
+
+class ServerCertificates:
+    """A server's certificate, replaceable while it serves. gRPC asks `_fetch` before the handshake
+    of every new connection; a replacement is handed over once (gRPC keeps it), and None means
+    "keep the current one". Connections already open keep the certificate they were made with."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self._lock = threading.Lock()
+        self._current = tls
+        self._pending: grpc.ServerCertificateConfiguration | None = None
+
+    @property
+    def current(self) -> TlsConfig:
+        return self._current
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.dynamic_ssl_server_credentials(
+            self._current.server_certificate_configuration(),
+            self._fetch,
+            require_client_authentication=self._current.require_client_auth,
+        )
+
+    def replace(self, tls: TlsConfig) -> None:
+        """Serve `tls` to every connection made from now on. Whether clients must authenticate is
+        fixed when the server starts, so a replacement must agree with it."""
+        if tls.require_client_auth != self._current.require_client_auth:
+            raise TlsConfigError("require_client_auth cannot change while the server runs")
+        with self._lock:
+            self._current = tls
+            self._pending = tls.server_certificate_configuration()
+
+    def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
