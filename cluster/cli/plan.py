@@ -121,6 +121,16 @@ def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Pat
     return path
 
 
+def _bounds(result: CandidateResult, num_instances: int) -> tuple[object, object]:
+    """The table's max rate and goodput per instance: "< x" for a candidate left below the best
+    rate (not searched further), ">= x" for one that passed every rate tried."""
+    if result.below_rate_per_s is not None:
+        return f"< {result.below_rate_per_s:g}", f"< {result.below_rate_per_s / num_instances:.4g}"
+    if result.unbounded:
+        return f">= {result.max_rate_per_s:g}", f">= {result.goodput_per_instance:.4g}"
+    return result.max_rate_per_s, result.goodput_per_instance
+
+
 def cluster_yaml(config: ClusterConfig) -> str:
     import yaml
 
@@ -162,12 +172,15 @@ def run(args: argparse.Namespace) -> int:
     elapsed_s = time.perf_counter() - started
     chosen = best(results)
     rows = [
-        [("* " if r is chosen else "  ") + r.candidate.label,
-         r.max_rate_per_s if r.below_rate_per_s is None else f"< {r.below_rate_per_s:g}",
-         r.goodput_per_instance if r.below_rate_per_s is None else f"< {r.below_rate_per_s / num_instances:.4g}", len(r.probes)]
-        for r in results
+        [("* " if r is chosen else "  ") + r.candidate.label, *_bounds(r, num_instances), len(r.probes)] for r in results
     ]
     sys.stdout.write(render_table(["split / policy", "max req/s in SLO", "goodput / instance", "simulations"], rows))
+    if chosen.unbounded:
+        print(
+            f"duet plan: {chosen.candidate.label} passed every rate tried, up to {chosen.max_rate_per_s:g} req/s: its maximum "
+            "(and perhaps the best split) lies beyond the search; use tighter SLOs or a larger workload",
+            file=sys.stderr,
+        )
     best_config = chosen.candidate.config(base)
     yaml_path = out_dir / "best-cluster.yaml"
     yaml_path.write_text(
@@ -187,9 +200,12 @@ def run(args: argparse.Namespace) -> int:
         "profile": settings.profile.name,
         "best": chosen.candidate.label,
         "best_goodput_per_instance": round(chosen.goodput_per_instance, 5),
-        # A candidate below the best rate found before it: the highest rate it passed (a lower bound).
-        "candidates": {r.candidate.label: round(r.goodput_per_instance, 5) for r in results},
+        # Goodput per instance; null for a candidate left below the best rate found before it (its
+        # own maximum was not searched: `below_best` gives the rate it failed).
+        "candidates": {r.candidate.label: None if r.below_rate_per_s is not None else round(r.goodput_per_instance, 5) for r in results},
         "below_best": {r.candidate.label: r.below_rate_per_s for r in results if r.below_rate_per_s is not None},
+        # Candidates that passed every rate the search doubled to: their figure is a lower bound.
+        "at_least": [r.candidate.label for r in results if r.unbounded],
         "simulations": sum(len(r.probes) for r in results),
         "wall_s": round(elapsed_s, 2),
         "cluster_yaml": str(yaml_path),

@@ -104,6 +104,9 @@ class CandidateResult:
     # Set when the search stopped at the rate to beat (the best candidate's so far), which this one
     # did not sustain: its own maximum is below it, and was not searched further.
     below_rate_per_s: float | None = None
+    # Set when every rate the search doubled to passed: its maximum is at least max_rate_per_s,
+    # not that (the search stopped at its limit of doublings, not at a failure).
+    unbounded: bool = False
 
     @property
     def goodput_per_instance(self) -> float:
@@ -287,6 +290,7 @@ def search(
         low, high = high, high * 2
     else:
         result.max_rate_per_s = low
+        result.unbounded = True
         return result
     for _ in range(bisections):
         middle = (low + high) / 2 if low else high / 2
@@ -330,6 +334,7 @@ def plan(
         )
         found = (
             f"below {result.below_rate_per_s:.3g} req/s (the best so far)" if result.below_rate_per_s is not None
+            else f"at least {result.max_rate_per_s:.3g} req/s within the SLOs (every rate tried passed)" if result.unbounded
             else f"{result.max_rate_per_s:.3g} req/s within the SLOs"
         )
         progress(f"{candidate.label}: {found} ({len(result.probes)} simulations, {time.perf_counter() - started:.1f}s)")

@@ -213,7 +213,11 @@ def test_duet_plan_marks_the_best_split_and_writes_a_config_duet_serve_loads(tmp
     envelope = _envelope(out)["figures"]
     assert set(envelope["candidates"]) == {"2 MIXED round_robin", "1P:1D round_robin"}
     assert envelope["best"] in envelope["candidates"] and "* " + envelope["best"] in out
-    assert envelope["best_goodput_per_instance"] == max(envelope["candidates"].values()) > 0
+    searched = {label: value for label, value in envelope["candidates"].items() if value is not None}
+    assert envelope["best_goodput_per_instance"] == max(searched.values()) > 0
+    # A candidate left below the best rate has no figure of its own, only the rate it failed.
+    assert set(envelope["candidates"]) - set(searched) == set(envelope["below_best"])
+    assert envelope["at_least"] == []
     config = ClusterConfig.from_yaml(envelope["cluster_yaml"])
     assert sum(group.count for group in config.instances) == 2
     assert json.loads((tmp_path / "plan.json").read_text())["probes"]
@@ -323,3 +327,17 @@ def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> N
     assert below and all(len(r.probes) == 1 for r in below)
     full = {r.candidate: r.max_rate_per_s for r in runs[False]}
     assert all(full[r.candidate] < r.below_rate_per_s for r in below)
+
+
+def test_a_candidate_that_passes_every_rate_tried_is_marked_a_lower_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.sim.plan import Candidate, search
+
+    base, _config, settings, pool, slo = _plan_case()
+    result = search(Candidate(2, 2, "round_robin"), base, settings, pool, slo, start_rate_per_s=1.0, duration_s=1.0,
+                    max_doublings=2, bisections=0)
+    assert [p.passed for p in result.probes] == [True, True]  # 1 and 2 req/s: far within reach
+    assert result.unbounded and result.max_rate_per_s == 2.0  # "at least 2", not "at most"
+    bounded = search(Candidate(2, 2, "round_robin"), base, settings, pool, slo, start_rate_per_s=4096.0, duration_s=2.0,
+                     max_doublings=1, bisections=0)
+    assert not bounded.unbounded
+
