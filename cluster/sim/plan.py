@@ -267,13 +267,17 @@ def search(
 ) -> CandidateResult:
     """The candidate's highest rate within the SLOs. With `beat_rate_per_s` (the best rate of the
     candidates searched before), the first probe is at that rate: a candidate that fails it cannot
-    be the best and is left there (`below_rate_per_s`); one that passes is searched as without it
-    (the same probes, so the same maximum; a probe at a rate already probed is not run again)."""
+    be the best and is left there (`below_rate_per_s`); one that passes is searched as without it,
+    on the same rates, so to the same maximum, except that a rate at or below one it passed is
+    taken as passed without a simulation (the search takes a pass to mean a pass at every lower
+    rate anyway: that is what bisecting between the last pass and the first failure assumes)."""
     config = candidate.config(base)
     result = CandidateResult(candidate, 0.0)
     verdicts: dict[float, bool] = {}
 
     def passes(rate: float) -> bool:
+        if rate not in verdicts and any(passed and rate <= probed for probed, passed in verdicts.items()):
+            return True
         if rate not in verdicts:
             count = max(min_requests, round(rate * duration_s))
             result.probes.append(probe(config, settings, window_requests(requests, count), rate, slo, attainment))
