@@ -9,7 +9,7 @@ step times are the roofline estimate of an H100 SXM running Llama 3 8B (cluster/
 estimate, not a measurement), with the hand-over's control path replaced by the delay the real
 system adds between the first and the second token (`--handover-ms`; 7.7 ms is what
 `bench/handover_latency.py` measured on the 2-core development machine over gRPC, 2026-12-01), and
-the KV moving over a 400 Gb/s RDMA-class link. The KV pool is H100-sized (20,000 blocks of 16 tokens:
+the KV moving over a 400 Gb/s RDMA-class link; instances report tokens every 50 ms at most. The KV pool is H100-sized (20,000 blocks of 16 tokens:
 320,000 tokens, 40 GiB of an 8B model's KV), up to 8,192 tokens and 256 sequences per step.
 
 Figures per mix: `<mix>_colocated_goodput_per_gpu`, `<mix>_best_split`, `<mix>_best_goodput_per_gpu`,
@@ -41,6 +41,10 @@ SLO_TTFT_MS, SLO_TPOT_MS = 1000.0, 50.0
 CLUSTER_YAML = "engine: {num_blocks: 20000, max_num_tokens: 8192, max_batch_size: 256}\n"
 ROOFLINE = "h100-sxm:llama-3-8b"
 LINK = "rdma-400g"
+# Instances merge a request's tokens for up to 50 ms before reporting them (vLLM's stream_interval):
+# TTFT, TPOT and every router decision stay exact (cluster/sim/instance.py), and a decode-heavy
+# simulation passes a third of the messages.
+STREAM_INTERVAL_MS = 50
 
 
 def _profile(handover_ms: float, directory: Path) -> Path:
@@ -66,7 +70,8 @@ def _plan(mix: str, prompt_tokens: int, output_tokens: int, args: argparse.Names
         "plan", "--config", str(config), "--profile", str(profile), "--link", LINK, "--workload", "fixed",
         "--input-len", str(prompt_tokens), "--output-len", str(output_tokens), "--num-requests", str(args.num_requests),
         "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS), "--instances", str(args.instances),
-        "--policies", "least_loaded", "--duration", str(args.duration), "--no-plots", "--out", str(out / mix),
+        "--policies", "least_loaded", "--duration", str(args.duration), "--stream-interval-ms", str(STREAM_INTERVAL_MS),
+        "--no-plots", "--log-level", "ERROR", "--out", str(out / mix),
     ]
     with contextlib.redirect_stdout(io.StringIO()):
         if main(command) != 0:
