@@ -113,14 +113,16 @@ def _plot(results: dict[str, dict], instances: int, path: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 instances, 2 s windows (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="2 instances, 1 s windows, 40 requests (a smoke run: no result)")
     parser.add_argument("--handover-ms", type=float, default=7.7, help="the hand-over's added delay, measured (default 7.7)")
     parser.add_argument("--duration", type=float, default=None, help="simulated seconds of arrivals per probe (default 5)")
     parser.add_argument("--num-requests", type=int, default=400, help="the workload's pool (probes continue it with copies)")
     parser.add_argument("--out", default=None, help="where plans and the plot go (default: a temporary directory)")
     args = parser.parse_args()
-    args.instances = 4 if args.quick else INSTANCES
-    args.duration = args.duration or (2.0 if args.quick else 5.0)
+    args.instances = 2 if args.quick else INSTANCES
+    args.duration = args.duration or (1.0 if args.quick else 5.0)
+    if args.quick:
+        args.num_requests = min(args.num_requests, 40)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="disagg-at-scale-"))
     out.mkdir(parents=True, exist_ok=True)
     config = out / "cluster.yaml"
