@@ -37,7 +37,15 @@ from cluster.loadgen.workloads import (
     load_sharegpt,
 )
 from cluster.sim.cluster import pool_shortfalls
-from cluster.sim.plan import POLICIES, CandidateResult, best, plan
+from cluster.sim.plan import (
+    MIN_WINDOW_LIVES,
+    POLICIES,
+    CandidateResult,
+    best,
+    plan,
+    probe_window_s,
+    request_life_s,
+)
 from worker.protocol import InstanceRole
 
 BENCH_NAME = "duet_plan"
@@ -59,7 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     search.add_argument("--attainment", type=float, default=0.9, metavar="F", help="share of requests that must meet both")
     search.add_argument("--policies", nargs="+", choices=tuple(POLICIES), default=list(POLICIES), help="placement policies to try")
     search.add_argument("--duration", type=float, default=None, metavar="S",
-                        help="simulated seconds of arrivals per probe (default 30, quick 5); --num-requests caps the pool")
+                        help="simulated seconds of arrivals per probe (default: 30, or 3 lives of a request under the SLOs when "
+                        "longer; quick 5); --num-requests sizes the pool that probes repeat")
     search.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the workload and arrival times")
     output = parser.add_argument_group("output")
     output.add_argument("--out", default=None, metavar="DIR", help="plan.json, plan.png, best-cluster.yaml (default ./plan-results/<time>)")
@@ -163,10 +172,22 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("; ".join(message for message, _count in shortfalls), EXIT_USAGE)
     out_dir = Path(args.out) if args.out else Path("plan-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
+    life_s = request_life_s(slo, requests)
+    if args.duration is not None:
+        duration_s = args.duration
+    else:
+        duration_s = 5.0 if args.quick else probe_window_s(slo, requests)
+    if duration_s < MIN_WINDOW_LIVES * life_s:
+        print(
+            f"duet plan: warning: each probe sends {duration_s:g} s of arrivals, shorter than {MIN_WINDOW_LIVES} lives of a "
+            f"request under these SLOs ({life_s:.3g} s each): a probe then measures how large a burst the cluster absorbs, "
+            f"not the rate it sustains, and overstates it (leave --duration unset for {probe_window_s(slo, requests):.3g} s)",
+            file=sys.stderr,
+        )
     started = time.perf_counter()
     results = plan(
         base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
-        duration_s=args.duration or (5.0 if args.quick else 30.0), prune=not args.every_maximum,
+        duration_s=duration_s, prune=not args.every_maximum,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     elapsed_s = time.perf_counter() - started
@@ -206,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         "below_best": {r.candidate.label: r.below_rate_per_s for r in results if r.below_rate_per_s is not None},
         # Candidates that passed every rate the search doubled to: their figure is a lower bound.
         "at_least": [r.candidate.label for r in results if r.unbounded],
+        "window_s": duration_s,
+        "request_life_s": round(life_s, 3),
         "simulations": sum(len(r.probes) for r in results),
         "wall_s": round(elapsed_s, 2),
         "cluster_yaml": str(yaml_path),

@@ -160,6 +160,25 @@ def slo_deadline_s(slo: Slo, max_tokens: int) -> float:
 
 # Slack on a deadline for the clock's rounding: a request is sent at its offset to within it.
 DEADLINE_SLACK_S = 1e-6
+# A probe's window should hold this many lives of a request (its SLO deadline): requests sent in a
+# window shorter than their life all meet a cluster that is still filling up and have until their
+# deadline to finish, so such a probe measures how large a burst the cluster absorbs, not the rate
+# it sustains (a decode-heavy request at TPOT 50 ms lives ~50 s).
+MIN_WINDOW_LIVES = 3
+
+
+def request_life_s(slo: Slo, requests: Sequence[BenchRequest]) -> float:
+    """The median of the requests' SLO deadlines (send to the latest end that meets the SLOs); 0
+    when the SLOs bound no request's end."""
+    lives = sorted(slo_deadline_s(slo, request.max_tokens) for request in requests)
+    life = lives[len(lives) // 2] if lives else 0.0
+    return 0.0 if math.isinf(life) else life
+
+
+def probe_window_s(slo: Slo, requests: Sequence[BenchRequest], at_least_s: float = 30.0) -> float:
+    """A probe window that measures a sustained rate: `at_least_s`, or MIN_WINDOW_LIVES lives of the
+    workload's median request when that is longer."""
+    return max(at_least_s, MIN_WINDOW_LIVES * request_life_s(slo, requests))
 
 
 class _Verdict:
