@@ -17,8 +17,9 @@ An action is applicable when:
                        suspect and the current prefill instance (re-placement excludes both)
   RECOMPUTE_LOCAL      a healthy generation instance other than the suspect exists; it runs on the
                        previous generation instance when that one is healthy and not the suspect
-  WAIT_FOR_INSTANCE    an outage (`outage`): the roles the request needs were registered, none is
-                       healthy now; the wait is bounded by the step's max_wait_s (`Wait`)
+  WAIT_FOR_INSTANCE    the roles the request needs were deployed (`outage`: registered, healthy or
+                       not; the health of those left is not checked here, so with healthy instances
+                       the wait ends at the next tick's placement); bounded by max_wait_s (`Wait`)
   FAIL                 always
 
 The stage timeouts that start recovery are here too (`stage_limit_s`): the flow's watchdog tick
@@ -167,8 +168,10 @@ def decide(chain: RecoveryConfig, placement: PlacementConfig, failure: Failure, 
 
 
 def outage(placement: PlacementConfig, fleet: FleetHealth) -> bool:
-    """Whether the instances a request needs were registered but none is healthy now (worth waiting
-    for: Ray restarts them, or they answer again), rather than never deployed."""
+    """Whether instances of the roles a request needs were registered, healthy or not: worth
+    waiting for (Ray restarts them, or they answer again), unlike roles never deployed. It does not
+    check that none is healthy: at admission placement just failed; in the chain, waiting is
+    applicable whenever this holds, and a wait with healthy instances ends at the next tick."""
     if not fleet.has_members(GENERATION_ROLES):
         return False
     needs_prefill = placement.disaggregation is DisaggMode.ALWAYS and not placement.allowed_fallbacks
