@@ -381,7 +381,8 @@ class RequestFlow:
             if target is None or not fleet.is_healthy(target):
                 target = self._choose_generation(fleet, frozenset())
             if target is None:
-                self._recover(actions, attempt, Failure(Cause.NO_INSTANCE, "no generation instance for the hand-over", kv_survives=True), fleet)
+                failure = Failure(Cause.NO_INSTANCE, "no generation instance for the hand-over", kv_survives=True)
+                self._recover(actions, attempt, failure, fleet)
                 return
             detail = "first token; reserving KV"
             if self._early_failure is not None:
@@ -405,7 +406,8 @@ class RequestFlow:
         # the request is GENERATING its KV moved, and the prefill hop's end changes nothing.
         if not was_live or output.error.code is ErrorCode.ABORTED or attempt.failure_handled or self.state is GlobalState.GENERATING:
             return
-        self._transfer_failed(actions, attempt, Failure.transfer_failed(f"{output.error.code.value}: {output.error.detail}", kv_survives=False), fleet)
+        failure = Failure.transfer_failed(f"{output.error.code.value}: {output.error.detail}", kv_survives=False)
+        self._transfer_failed(actions, attempt, failure, fleet)
 
     def _on_hop_finished(self, actions: list[Action], attempt: Attempt, output: RequestOutput, fleet: FleetView) -> None:
         attempt.live = False
@@ -528,7 +530,8 @@ class RequestFlow:
             # connection lost after the commit): the hand-over stands; free the sender's copy.
             self._stop(actions, attempt, "KV already committed by the receiver")
             return actions
-        self._transfer_failed(actions, generation, Failure.transfer_failed(f"{push.reason}: {push.detail}", kv_survives=attempt.live), fleet)
+        failure = Failure.transfer_failed(f"{push.reason}: {push.detail}", kv_survives=attempt.live)
+        self._transfer_failed(actions, generation, failure, fleet)
         return actions
 
     def on_push_call_failed(self, generation: Attempt, reason: str, now_s: float, fleet: FleetView) -> list[Action]:
