@@ -21,12 +21,15 @@ Colocated requests (conditional disaggregation, or a configured fallback) run
 CONTEXT_AND_GENERATION on one GENERATION/MIXED instance.
 
 Recovery (the configured chain, bounded, RecoveryConfig): when a transfer fails, a stage times
-out or an instance dies, the flow takes the first applicable action with attempts left:
-RETRY_TRANSFER (the prefill instance still holds the KV: reserve again, push again),
+out or an instance dies, the flow describes the failure (a `Failure`) and where the request stands,
+and the pure decision in cluster/router/recovery.py picks the first applicable action with attempts
+left: RETRY_TRANSFER (the prefill instance still holds the KV: reserve again, push again),
 REPREFILL_ELSEWHERE (run the prefill hop again elsewhere), RECOMPUTE_LOCAL (a generation instance
-runs prompt + tokens so far itself), FAIL (a clear status). Seeds are fixed at admission and
-sampling is keyed by (seed, output position), so a recovered request produces exactly the tokens
-of a fault-free run, and tokens already streamed are never streamed again.
+runs prompt + tokens so far itself), WAIT_FOR_INSTANCE (an outage: back to QUEUED, bounded), FAIL
+(a clear status). The flow executes the decision here (`_recover`): stops, starts, transitions.
+Seeds are fixed at admission and sampling is keyed by (seed, output position), so a recovered
+request produces exactly the tokens of a fault-free run, and tokens already streamed are never
+streamed again.
 
 The state machine and its table are in cluster/router/state.py; every transition goes through it.
 """
@@ -55,8 +58,20 @@ from cluster.router.actions import (
     TransferNote,
 )
 from cluster.router.api import ErrorKind, FinalEvent, InstanceUse, Outcome, TimelineEntry, TokenEvent, Usage
-from cluster.router.config import DisaggMode, RecoveryAction, ReserveAt, RouterConfig
-from cluster.router.placement import GENERATION_ROLES, NoInstanceAvailable, PlacementPlan, PlacementRequest
+from cluster.router.config import RecoveryAction, ReserveAt, RouterConfig
+from cluster.router.placement import NoInstanceAvailable, PlacementPlan, PlacementRequest
+from cluster.router.recovery import (
+    HANDOVER_STATES,
+    Cause,
+    Decision,
+    Failure,
+    FleetHealth,
+    Standing,
+    Wait,
+    admission_wait_s,
+    decide,
+    stage_limit_s,
+)
 from cluster.router.state import (
     TRANSITIONS,
     GlobalState,
@@ -80,7 +95,6 @@ from worker.stopping import FinishReason
 
 logger = logging.getLogger(__name__)
 
-PREFILL_ROLES = frozenset({InstanceRole.PREFILL})
 _LOCAL_TYPES = {
     Phase.PREFILL: LocalRequestType.CONTEXT_ONLY,
     Phase.GENERATION: LocalRequestType.GENERATION_ONLY,
@@ -96,8 +110,9 @@ _ENDING_STATES = frozenset(
 )
 
 
-class FleetView(Protocol):
-    """What the flow reads of the fleet (cluster/router/fleet.py implements it)."""
+class FleetView(FleetHealth, Protocol):
+    """What the flow reads of the fleet (cluster/router/fleet.py implements it): the health the
+    recovery chain reads (FleetHealth), and placement."""
 
     def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
         """Both hops of a request; raises NoInstanceAvailable."""
@@ -105,14 +120,6 @@ class FleetView(Protocol):
 
     def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
         """A generation instance for a generation hop alone; raises NoInstanceAvailable."""
-        ...
-
-    def is_healthy(self, instance_id: str) -> bool: ...
-
-    def has_healthy(self, roles: frozenset[InstanceRole], exclude: frozenset[str]) -> bool: ...
-
-    def has_members(self, roles: frozenset[InstanceRole]) -> bool:
-        """Whether instances of these roles were registered at all (healthy or not)."""
         ...
 
     def kv_bytes(self, instance_id: str, num_blocks: int) -> int:
@@ -209,8 +216,7 @@ class RequestFlow:
         self._early_failure: str | None = None
         # Waiting for a healthy instance (RecoveryAction.WAIT_FOR_INSTANCE, or admitted during an
         # outage): since when, and until when at most. None: not waiting.
-        self.waiting_since_s: float | None = None
-        self.wait_until_s: float | None = None
+        self.waiting: Wait | None = None
 
     # --- reading ------------------------------------------------------------------------------------
     @property
@@ -238,11 +244,11 @@ class RequestFlow:
         try:
             plan = fleet.place(self.placement_request(), frozenset())
         except NoInstanceAvailable as error:
-            step = self._config.recovery.step(RecoveryAction.WAIT_FOR_INSTANCE)
-            if step is not None and self._outage(fleet):
+            wait_s = admission_wait_s(self._config.recovery, self._config.placement, fleet)
+            if wait_s is not None:
                 # An outage (the instances exist, none is healthy now): queue, do not refuse.
                 self.error = f"no instance can serve it now: {error}"
-                self.waiting_since_s, self.wait_until_s = now_s, now_s + step.max_wait_s
+                self.waiting = Wait.starting(now_s, wait_s)
                 return actions
             return self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"no instance can serve it: {error}")
         detail = plan.decision.detail
@@ -375,7 +381,8 @@ class RequestFlow:
             if target is None or not fleet.is_healthy(target):
                 target = self._choose_generation(fleet, frozenset())
             if target is None:
-                self._recover(actions, attempt, "no generation instance for the hand-over", fleet, kv_survives=True)
+                failure = Failure(Cause.NO_INSTANCE, "no generation instance for the hand-over", kv_survives=True)
+                self._recover(actions, attempt, failure, fleet)
                 return
             detail = "first token; reserving KV"
             if self._early_failure is not None:
@@ -399,7 +406,8 @@ class RequestFlow:
         # the request is GENERATING its KV moved, and the prefill hop's end changes nothing.
         if not was_live or output.error.code is ErrorCode.ABORTED or attempt.failure_handled or self.state is GlobalState.GENERATING:
             return
-        self._transfer_failed(actions, attempt, f"{output.error.code.value}: {output.error.detail}", fleet, kv_survives=False)
+        failure = Failure.transfer_failed(f"{output.error.code.value}: {output.error.detail}", kv_survives=False)
+        self._transfer_failed(actions, attempt, failure, fleet)
 
     def _on_hop_finished(self, actions: list[Action], attempt: Attempt, output: RequestOutput, fleet: FleetView) -> None:
         attempt.live = False
@@ -410,12 +418,12 @@ class RequestFlow:
             return
         if self._early_hop_lost(attempt, f"{output.error.transfer_reason or output.error.code.value}: {output.error.detail}"):
             return
-        if attempt.phase is Phase.GENERATION and self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+        if attempt.phase is Phase.GENERATION and self.state in HANDOVER_STATES:
             kv_survives = self.prefill is not None and self.prefill.holds_handover_kv
             reason = f"{output.error.transfer_reason or output.error.code.value}: {output.error.detail}"
-            self._transfer_failed(actions, attempt, reason, fleet, kv_survives=kv_survives)
+            self._transfer_failed(actions, attempt, Failure.transfer_failed(reason, kv_survives=kv_survives), fleet)
         else:
-            self._recover(actions, attempt, f"{output.error.code.value}: {output.error.detail}", fleet, kv_survives=False)
+            self._recover(actions, attempt, Failure(Cause.HOP_FAILED, f"{output.error.code.value}: {output.error.detail}"), fleet)
 
     def on_reservation(self, attempt: Attempt, notice: ReservationNotice, now_s: float, fleet: FleetView) -> list[Action]:
         """The generation instance reserved blocks for a hop: ask the prefill instance to push."""
@@ -435,7 +443,7 @@ class RequestFlow:
             actions.append(self._push_action(prefill, attempt))
             return actions
         if prefill is None or not prefill.holds_handover_kv:
-            self._recover(actions, attempt, "reservation made but the prefill KV is gone", fleet, kv_survives=False)
+            self._recover(actions, attempt, Failure(Cause.KV_LOST, "reservation made but the prefill KV is gone"), fleet)
             return actions
         self._transition(GlobalState.TRANSMISSION, attempt.instance_id, f"pushing {notice.num_blocks} blocks")
         actions.append(NoteTransfer(TransferNote.STARTED))
@@ -517,12 +525,13 @@ class RequestFlow:
             self._early_failure = f"the streamed push failed: {push.reason}"
             self._stop(actions, generation, f"its push failed while the context computed: {push.reason}")
             return actions
-        if self.state not in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+        if self.state not in HANDOVER_STATES:
             # The receiver committed this transfer before the sender saw its call fail (a
             # connection lost after the commit): the hand-over stands; free the sender's copy.
             self._stop(actions, attempt, "KV already committed by the receiver")
             return actions
-        self._transfer_failed(actions, generation, f"{push.reason}: {push.detail}", fleet, kv_survives=attempt.live)
+        failure = Failure.transfer_failed(f"{push.reason}: {push.detail}", kv_survives=attempt.live)
+        self._transfer_failed(actions, generation, failure, fleet)
         return actions
 
     def on_push_call_failed(self, generation: Attempt, reason: str, now_s: float, fleet: FleetView) -> list[Action]:
@@ -531,7 +540,7 @@ class RequestFlow:
         actions: list[Action] = []
         if self.prefill is not None:
             self.prefill.live = False
-        self._transfer_failed(actions, generation, reason, fleet, kv_survives=False)
+        self._transfer_failed(actions, generation, Failure.transfer_failed(reason, kv_survives=False), fleet)
         return actions
 
     def on_submit_failed(
@@ -551,8 +560,7 @@ class RequestFlow:
             return actions
         # A generation hop that could not be submitted leaves the prefill's KV where it was.
         kv_survives = attempt.phase is Phase.GENERATION and self.prefill is not None and self.prefill.holds_handover_kv
-        reason = f"{attempt.instance_id} unavailable: {unavailable}"
-        self._recover(actions, attempt, reason, fleet, kv_survives=kv_survives, suspect=attempt.instance_id)
+        self._recover(actions, attempt, Failure.unavailable(attempt.instance_id, unavailable, kv_survives=kv_survives), fleet)
         return actions
 
     def on_instance_dead(self, attempt: Attempt, reason: str, now_s: float, fleet: FleetView) -> list[Action]:
@@ -566,7 +574,7 @@ class RequestFlow:
         attempt.live = False
         # The KV a prefill hop holds dies with it; a generation hop loses its reservation.
         kv_survives = attempt.phase is Phase.GENERATION and self.prefill is not None and self.prefill.holds_handover_kv
-        self._recover(actions, attempt, reason, fleet, kv_survives=kv_survives, suspect=attempt.instance_id)
+        self._recover(actions, attempt, Failure.instance_died(attempt.instance_id, reason, kv_survives=kv_survives), fleet)
         return actions
 
     # --- time ---------------------------------------------------------------------------------------
@@ -579,8 +587,8 @@ class RequestFlow:
         if self.deadline_s is not None and now_s >= self.deadline_s:
             return self._end(actions, Outcome.ABORTED, "abort", None, ErrorKind.DEADLINE_EXCEEDED, "the request's deadline passed")
         state = self.state
-        if self.wait_until_s is not None:
-            return self._try_resume(actions, fleet)
+        if self.waiting is not None:
+            return self._try_resume(actions, self.waiting, fleet)
         generation = self.generation
         if (
             generation is not None
@@ -594,14 +602,7 @@ class RequestFlow:
         ):
             generation.renewed_s = now_s
             actions.append(RenewReservation(generation.instance_id, generation.engine_id))
-        timeouts = self._config.timeouts
-        limit = {
-            GlobalState.CONTEXT_WAIT: timeouts.context_s,
-            GlobalState.CONTEXT_IN_PROGRESS: timeouts.context_s,
-            GlobalState.GENERATION_INIT: timeouts.reservation_s,
-            GlobalState.TRANSMISSION: self._transmission_bound_s(),
-            GlobalState.GENERATING: timeouts.generation_s,
-        }.get(state)
+        limit = stage_limit_s(state, self._config.timeouts, self._config.handover, generation.reserved_bytes if generation else 0)
         if limit is None or self.timeline.time_in_state_s(now_s) < limit:
             return actions
         in_handover = state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION, GlobalState.GENERATING)
@@ -610,19 +611,10 @@ class RequestFlow:
             attempt = self.generation or self.prefill
         if attempt is None:
             return actions
-        kv_survives = state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION) and self.prefill is not None and self.prefill.live
+        kv_survives = state in HANDOVER_STATES and self.prefill is not None and self.prefill.live
         self._stop(actions, attempt, f"{state.name} exceeded {limit:.3g}s")
-        self._recover(actions, attempt, f"{state.name} exceeded its {limit:.3g}s stage timeout", fleet, kv_survives=kv_survives)
+        self._recover(actions, attempt, Failure.stage_timeout(state, limit, kv_survives=kv_survives), fleet)
         return actions
-
-    def _transmission_bound_s(self) -> float:
-        """How long TRANSMISSION may last: long enough for the transfer's bytes at the slowest rate a
-        healthy path keeps, plus a fixed allowance, and never beyond timeouts.transfer_s. A stalled
-        transfer is retried at the speed of its size, not after a deadline sized for the largest."""
-        handover = self._config.handover
-        generation = self.generation
-        size_bound_s = handover.stall_base_s + (generation.reserved_bytes if generation else 0) / handover.stall_min_bytes_per_s
-        return min(self._config.timeouts.transfer_s, size_bound_s)
 
     # --- ends -----------------------------------------------------------------------------------------
     def abort(self, now_s: float, error_kind: ErrorKind | None, message: str) -> list[Action]:
@@ -671,42 +663,36 @@ class RequestFlow:
         actions.append(Finish(self.request_id, self.final))
         return actions
 
-    # --- recovery -------------------------------------------------------------------------------------
-    def _transfer_failed(self, actions: list[Action], attempt: Attempt, reason: str, fleet: FleetView, *, kv_survives: bool) -> None:
+    # --- recovery: the decision is cluster/router/recovery.py's, its execution is here -------------
+    def _transfer_failed(self, actions: list[Action], attempt: Attempt, failure: Failure, fleet: FleetView) -> None:
         if self.ended or attempt.failure_handled:
             return
-        self._recover(actions, attempt, f"KV transfer failed: {reason}", fleet, kv_survives=kv_survives)
+        self._recover(actions, attempt, failure, fleet)
 
-    def _recover(
-        self, actions: list[Action], attempt: Attempt, reason: str, fleet: FleetView, *, kv_survives: bool, suspect: str | None = None
-    ) -> None:
+    def _recover(self, actions: list[Action], attempt: Attempt, failure: Failure, fleet: FleetView) -> None:
         """Take the next action of the recovery chain after `attempt` failed."""
         if self.ended:
             return
         attempt.failure_handled = True
-        exclude = frozenset({suspect} if suspect else ())
-        prefill = self.prefill
-        applicable = {RecoveryAction.FAIL}
-        # Retrying the transfer needs the prefill's KV and a hand-over not yet done: once the
-        # request is GENERATING, tokens came from the generation hop and the KV moved already.
-        in_handover = self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION)
-        if kv_survives and in_handover and prefill is not None and prefill.holds_handover_kv and fleet.has_healthy(GENERATION_ROLES, exclude):
-            applicable.add(RecoveryAction.RETRY_TRANSFER)
-        # Re-placement excludes the request's current prefill instance: judge applicability on the
-        # same candidates, or the chain stops at a placement failure instead of moving on.
-        elsewhere = exclude | ({prefill.instance_id} if prefill is not None else frozenset())
-        if fleet.has_healthy(PREFILL_ROLES, elsewhere) and fleet.has_healthy(GENERATION_ROLES, elsewhere):
-            applicable.add(RecoveryAction.REPREFILL_ELSEWHERE)
-        if fleet.has_healthy(GENERATION_ROLES, exclude):
-            applicable.add(RecoveryAction.RECOMPUTE_LOCAL)
-        if self._outage(fleet):
-            applicable.add(RecoveryAction.WAIT_FOR_INSTANCE)
-        action = self._config.recovery.next_action(dict(self.recovery), frozenset(applicable))
+        prefill, generation = self.prefill, self.generation
+        standing = Standing(
+            attempts=dict(self.recovery),
+            in_handover=self.state in HANDOVER_STATES,
+            prefill_instance=prefill.instance_id if prefill is not None else None,
+            prefill_holds_kv=prefill is not None and prefill.holds_handover_kv,
+            generation_instance=generation.instance_id if generation is not None else None,
+        )
+        self._execute(actions, decide(self._config.recovery, self._config.placement, failure, standing, fleet), fleet)
+
+    def _execute(self, actions: list[Action], decision: Decision, fleet: FleetView) -> None:
+        """Carry out a recovery decision: count it, note it, stop the hops it gives up, start the
+        new one and move the request to where that hop starts."""
+        action, reason = decision.action, decision.reason
         self.recovery[action] += 1
         actions.append(NoteRecovery(self.request_id, action, reason))
         self.error = reason
         if action is RecoveryAction.RETRY_TRANSFER:
-            target = self._choose_generation(fleet, exclude)
+            target = self._choose_generation(fleet, decision.exclude)
             if target is None:  # pragma: no cover - checked by applicability
                 self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, reason)
                 return
@@ -715,33 +701,27 @@ class RequestFlow:
             self._start(actions, fleet, Phase.GENERATION, target)
         elif action is RecoveryAction.RECOMPUTE_LOCAL:
             previous = self.generation
-            target = None
-            if previous is not None and previous.instance_id not in exclude and fleet.is_healthy(previous.instance_id):
-                target = previous.instance_id
-            if target is None:
-                target = self._choose_generation(fleet, exclude)
+            target = decision.recompute_on if decision.recompute_on is not None else self._choose_generation(fleet, decision.exclude)
             if target is None:  # pragma: no cover - checked by applicability
                 self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, reason)
                 return
             self._stop(actions, self.prefill, "recomputing on the generation instance")
             self._stop(actions, previous, "recomputing on the generation instance")
             detail = f"recompute locally on {target} ({reason})"
-            if self.state in (GlobalState.GENERATION_INIT, GlobalState.TRANSMISSION):
+            if self.state in HANDOVER_STATES:
                 self._transition(GlobalState.GENERATING, target, detail, Route.COLOCATED)
             else:
                 self._transition(GlobalState.CONTEXT_WAIT, target, detail, Route.COLOCATED)
             self._start(actions, fleet, Phase.COLOCATED, target, recompute=True)
         elif action is RecoveryAction.WAIT_FOR_INSTANCE:
-            step = self._config.recovery.step(action)
-            assert step is not None  # next_action took it from the chain
+            assert decision.max_wait_s is not None  # decide sets it for this action
             for hop in self.hops():
                 self._stop(actions, hop, "waiting for a healthy instance")
-            self._transition(GlobalState.QUEUED, None, f"waiting up to {step.max_wait_s:g}s for a healthy instance ({reason})")
-            self.waiting_since_s, self.wait_until_s = self._now_s, self._now_s + step.max_wait_s
+            self._transition(GlobalState.QUEUED, None, f"waiting up to {decision.max_wait_s:g}s for a healthy instance ({reason})")
+            self.waiting = Wait.starting(self._now_s, decision.max_wait_s)
         elif action is RecoveryAction.REPREFILL_ELSEWHERE:
-            excluded = exclude | ({prefill.instance_id} if prefill is not None else frozenset())
             try:
-                plan = fleet.place(self.placement_request(), frozenset(excluded))
+                plan = fleet.place(self.placement_request(), decision.elsewhere)
             except NoInstanceAvailable as error:
                 self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"{reason}; re-placement failed: {error}")
                 return
@@ -752,22 +732,13 @@ class RequestFlow:
         else:
             self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"{reason}; recovery exhausted")
 
-    def _outage(self, fleet: FleetView) -> bool:
-        """Whether the instances this request needs were registered but none is healthy now (worth
-        waiting for: Ray restarts them, or they answer again), rather than never deployed."""
-        if not fleet.has_members(GENERATION_ROLES):
-            return False
-        needs_prefill = self._config.placement.disaggregation is DisaggMode.ALWAYS and not self._config.placement.allowed_fallbacks
-        return not needs_prefill or fleet.has_members(PREFILL_ROLES)
-
-    def _try_resume(self, actions: list[Action], fleet: FleetView) -> list[Action]:
+    def _try_resume(self, actions: list[Action], wait: Wait, fleet: FleetView) -> list[Action]:
         """A waiting request: place it once an instance can take it (its hops recompute the prompt
         and the tokens already streamed, and stream only what follows); fail it when the wait's
         bound passes. Its stage timers stay paused meanwhile (QUEUED has none)."""
-        assert self.wait_until_s is not None and self.waiting_since_s is not None
-        waited_s = self._now_s - self.waiting_since_s
-        if self._now_s >= self.wait_until_s:
-            self.wait_until_s = None
+        waited_s = wait.waited_s(self._now_s)
+        if wait.expired(self._now_s):
+            self.waiting = None
             return self._end(
                 actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, f"no healthy instance within {waited_s:.1f}s ({self.error})"
             )
@@ -775,7 +746,7 @@ class RequestFlow:
             plan = fleet.place(self.placement_request(), frozenset())
         except NoInstanceAvailable:
             return actions
-        self.waiting_since_s = self.wait_until_s = None
+        self.waiting = None
         self._start_plan(actions, fleet, plan, f"placed after waiting {waited_s:.1f}s for a healthy instance")
         return actions
 
