@@ -3,7 +3,9 @@ simulated H100-class instances of an 8B Llama-family model, a prefill-heavy and 
 
 For each mix, `duet plan` (cluster/sim/plan.py: the real router and schedulers on a virtual clock)
 searches all MIXED and every P:D split of 16 instances under least_loaded placement for the highest
-Poisson rate at which 90 % of requests meet TTFT <= 1 s and TPOT <= 50 ms. The colocated baseline
+Poisson rate at which 90 % of requests meet TTFT <= 1 s and TPOT <= 50 ms, each probe sending
+duet plan's window of arrivals (3 lives of a request, at least 30 s: 30 s prefill-heavy, 156 s
+decode-heavy, whose requests live ~52 s at the TPOT bound). The colocated baseline
 (16 MIXED) and the best split are searched side by side in the same run, on the same requests. The
 step times are the roofline estimate of an H100 SXM running Llama 3 8B (cluster/sim/roofline.py: an
 estimate, not a measurement), with the hand-over's control path replaced by the delay the real
@@ -16,7 +18,7 @@ Figures per mix: `<mix>_colocated_goodput_per_gpu`, `<mix>_best_split`, `<mix>_b
 `<mix>_disagg_ratio` (best disaggregated split / all MIXED, the colocated baseline); the plot
 (`disagg_at_scale.png` in --out) shows goodput per GPU against the split for both mixes.
 
-    python bench/disagg_at_scale.py [--quick] [--handover-ms 7.7] [--duration 5] [--out DIR]
+    python bench/disagg_at_scale.py [--quick] [--mix prefill_heavy decode_heavy] [--handover-ms 7.7] [--duration S] [--out DIR]
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def _plan(mix: str, prompt_tokens: int, output_tokens: int, args: argparse.Names
         "plan", "--config", str(config), "--profile", str(profile), "--link", LINK, "--workload", "fixed",
         "--input-len", str(prompt_tokens), "--output-len", str(output_tokens), "--num-requests", str(args.num_requests),
         "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS), "--instances", str(args.instances),
-        "--policies", "least_loaded", "--duration", str(args.duration), "--stream-interval-ms", str(STREAM_INTERVAL_MS),
+        "--policies", "least_loaded", *(["--duration", str(args.duration)] if args.duration else []),
+        "--stream-interval-ms", str(STREAM_INTERVAL_MS),
         "--no-plots", "--log-level", "ERROR", "--out", str(out / mix),
     ]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -115,12 +118,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 instances, 1 s windows, 40 requests (a smoke run: no result)")
     parser.add_argument("--handover-ms", type=float, default=7.7, help="the hand-over's added delay, measured (default 7.7)")
-    parser.add_argument("--duration", type=float, default=None, help="simulated seconds of arrivals per probe (default 5)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="simulated seconds of arrivals per probe (default: duet plan's, 3 lives of a request and at least 30)")
+    parser.add_argument("--mix", nargs="+", choices=[name for name, *_ in MIXES], default=[name for name, *_ in MIXES])
     parser.add_argument("--num-requests", type=int, default=400, help="the workload's pool (probes continue it with copies)")
     parser.add_argument("--out", default=None, help="where plans and the plot go (default: a temporary directory)")
     args = parser.parse_args()
     args.instances = 2 if args.quick else INSTANCES
-    args.duration = args.duration or (1.0 if args.quick else 5.0)
+    if args.quick:
+        args.duration = args.duration or 1.0
     if args.quick:
         args.num_requests = min(args.num_requests, 40)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="disagg-at-scale-"))
@@ -130,8 +136,9 @@ def main() -> int:
     profile = _profile(args.handover_ms, out)
     results: dict[str, dict] = {}
     rows, figures = [], {}
-    for index, (mix, prompt_tokens, output_tokens) in enumerate(MIXES):
-        progress(f"{BENCH}: {mix} ({prompt_tokens} / {output_tokens} tokens), {args.instances} instances: duet plan ({index + 1}/{len(MIXES)})")
+    mixes = [(mix, prompt_tokens, output_tokens) for mix, prompt_tokens, output_tokens in MIXES if mix in args.mix]
+    for index, (mix, prompt_tokens, output_tokens) in enumerate(mixes):
+        progress(f"{BENCH}: {mix} ({prompt_tokens} / {output_tokens} tokens), {args.instances} instances: duet plan ({index + 1}/{len(mixes)})")
         document = _plan(mix, prompt_tokens, output_tokens, args, profile, config, out)
         results[mix] = document
         candidates = document["candidates"]
@@ -140,7 +147,7 @@ def main() -> int:
         best_label = max(splits, key=splits.get) if splits else None
         best_value = splits[best_label] if best_label else 0.0
         ratio = best_value / colocated if colocated else None
-        rows.append([mix, f"{prompt_tokens} / {output_tokens}", colocated, best_label or "(every split below all MIXED)", best_value,
+        rows.append([mix, f"{prompt_tokens} / {output_tokens}", document["window_s"], colocated, best_label or "(every split below all MIXED)", best_value,
                      round(ratio, 3) if ratio is not None else "-", document["simulations"], document["wall_s"]])
         figures.update({
             f"{mix}_colocated_goodput_per_gpu": colocated,
@@ -148,11 +155,12 @@ def main() -> int:
             f"{mix}_best_goodput_per_gpu": best_value,
             f"{mix}_disagg_ratio": None if ratio is None else round(ratio, 4),
             f"{mix}_at_least": document["at_least"],
+            f"{mix}_window_s": document["window_s"],
         })
-    print_table(["mix", "prompt / output", "all MIXED req/s/GPU", "best split", "its req/s/GPU", "split / MIXED", "simulations", "wall s"], rows)
+    print_table(["mix", "prompt / output", "window s", "all MIXED req/s/GPU", "best split", "its req/s/GPU", "split / MIXED", "simulations", "wall s"], rows)
     plot = _plot(results, args.instances, out / "disagg_at_scale.png")
     print(f"plot: {plot}")
-    figures.update({"instances": args.instances, "handover_ms": args.handover_ms, "duration_s": args.duration, "plot": str(plot)})
+    figures.update({"instances": args.instances, "handover_ms": args.handover_ms, "plot": str(plot)})
     emit_result(BENCH, figures, {})  # no target: the figures are the result the issue asks for
     return 0
 

@@ -341,3 +341,27 @@ def test_a_candidate_that_passes_every_rate_tried_is_marked_a_lower_bound(tmp_pa
                      max_doublings=1, bisections=0)
     assert not bounded.unbounded
 
+
+
+def test_a_probe_window_holds_several_lives_of_a_request_and_a_shorter_one_is_warned_of(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+    from cluster.loadgen.metrics import Slo
+    from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
+    from cluster.sim.plan import MIN_WINDOW_LIVES, probe_window_s, request_life_s
+
+    decode_heavy = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=5, input_len=256, output_len=1024), 0)
+    slo = Slo(ttft_ms=1000, tpot_ms=50)
+    assert request_life_s(slo, decode_heavy) == pytest.approx(1.0 + 0.05 * 1023)  # TTFT + TPOT x (n - 1)
+    assert probe_window_s(slo, decode_heavy) == pytest.approx(MIN_WINDOW_LIVES * 52.15)
+    short = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=5, input_len=64, output_len=8), 0)
+    assert probe_window_s(slo, short) == 30.0  # the floor
+    assert request_life_s(Slo(ttft_ms=1000), short) == 0.0  # no bound on a request's end
+
+    code = main(["plan", "--instances", "2", "--policies", "round_robin", "--workload", "fixed", "--num-requests", "20",
+                 "--input-len", "64", "--output-len", "8", "--duration", "1", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "500",
+                 "--out", str(tmp_path), "--no-plots"])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "shorter than 3 lives of a request" in err and "overstates" in err
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert document["window_s"] == 1.0 and document["request_life_s"] == pytest.approx(2.0 + 0.5 * 7)
