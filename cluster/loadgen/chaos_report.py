@@ -65,7 +65,9 @@ _CAUSES = (
     (re.compile(r"exceeded its"), "stage_timeout"),
     (re.compile(r"unavailable"), "instance_unavailable"),
     (re.compile(r"no (healthy |prefill |generation )*instance"), "no_instance"),
+    (re.compile(r"prefill KV is gone"), "kv_lost"),
 )
+_FIRST_TOKEN = "first token; "
 _ACTIONS = (
     ("retry transfer", "retry_transfer"),
     ("re-run prefill", "reprefill_elsewhere"),
@@ -89,8 +91,11 @@ def timeline_recoveries(timeline: Sequence[StateChange]) -> list[tuple[str, str]
     recovery gave up."""
     found = []
     for entry in timeline:
+        # A hand-over retried at context done after its early reservation was lost reads
+        # "first token; retry transfer (...)": the step follows the first token's note.
+        detail = entry.detail.removeprefix(_FIRST_TOKEN)
         for prefix, action in _ACTIONS:
-            if entry.detail.startswith(prefix):
+            if detail.startswith(prefix):
                 found.append((action, recovery_cause(entry.detail)))
                 break
         else:

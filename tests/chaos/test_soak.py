@@ -334,9 +334,17 @@ def test_recovery_details_are_read_from_the_router_timeline() -> None:
         ("CONTEXT_WAIT", "kv_aware: cost 3"),
         ("CONTEXT_WAIT", "re-run prefill (KV transfer failed: PEER_UNAVAILABLE: closed)"),
         ("CONTEXT_WAIT", "re-run colocated (instance generation-0 died: restarted)"),
+        ("GENERATION_INIT", "first token; retry transfer (the early reservation was lost: generation-1 unavailable: gone): reserving KV"),
+        ("GENERATION_INIT", "first token; reserving KV"),
+        ("CONTEXT_WAIT", "re-run prefill (reservation made but the prefill KV is gone)"),
         ("COMPLETE", "length"),
     )
-    assert timeline_recoveries(timeline) == [("reprefill_elsewhere", "peer_unavailable"), ("reprefill_elsewhere", "instance_died")]
+    assert timeline_recoveries(timeline) == [
+        ("reprefill_elsewhere", "peer_unavailable"),
+        ("reprefill_elsewhere", "instance_died"),
+        ("retry_transfer", "instance_unavailable"),
+        ("reprefill_elsewhere", "kv_lost"),
+    ]
 
 
 def test_the_command_exits_non_zero_when_an_invariant_broke(monkeypatch, capsys) -> None:

@@ -288,7 +288,7 @@ def test_the_transmission_bound_scales_with_the_bytes_up_to_the_transfer_timeout
         (Failure.instance_died("g0", "instance g0 died: killed", kv_survives=False), "instance g0 died: killed", "instance_died"),
         (Failure.unavailable("g0", "connection refused", kv_survives=True), "g0 unavailable: connection refused", "instance_unavailable"),
         (Failure(Cause.NO_INSTANCE, "no generation instance for the hand-over"), "no generation instance for the hand-over", "no_instance"),
-        (Failure(Cause.KV_LOST, "reservation made but the prefill KV is gone"), "reservation made but the prefill KV is gone", "other"),
+        (Failure(Cause.KV_LOST, "reservation made but the prefill KV is gone"), "reservation made but the prefill KV is gone", "kv_lost"),
     ],
 )
 def test_a_failures_reason_is_what_the_chaos_report_reads_its_cause_from(failure, reason, cause) -> None:
