@@ -76,10 +76,13 @@ def _plan(mix: str, prompt_tokens: int, output_tokens: int, args: argparse.Names
         "--stream-interval-ms", str(STREAM_INTERVAL_MS),
         "--no-plots", "--log-level", "ERROR", "--out", str(out / mix),
     ]
+    done = out / mix / "plan.json"
+    if args.reuse and done.exists():
+        return json.loads(done.read_text())
     with contextlib.redirect_stdout(io.StringIO()):
         if main(command) != 0:
             raise SystemExit(f"duet plan failed for {mix}: {' '.join(command)}")
-    return json.loads((out / mix / "plan.json").read_text())
+    return json.loads(done.read_text())
 
 
 def _split(label: str) -> int:
@@ -98,7 +101,7 @@ def _plot(results: dict[str, dict], instances: int, path: Path) -> Path:
         below = sorted((_split(label), rate / instances) for label, rate in document["below_best"].items())
         line = axis.plot([p for p, _ in searched if p], [v for p, v in searched if p], "o-", label=f"{mix}: P:D split")
         color = line[0].get_color()
-        axis.plot([p for p, _ in below], [v for _, v in below], "v", color=color, alpha=0.5, label=f"{mix}: below the best so far")
+        axis.plot([p for p, _ in below], [v for _, v in below], "v", color=color, alpha=0.5, label=f"{mix}: below this (the best so far; not searched further)")
         colocated = next((v for p, v in searched if p == 0), None)
         if colocated is not None:
             axis.axhline(colocated, color=color, linestyle="--", linewidth=1, label=f"{mix}: all MIXED")
@@ -106,6 +109,7 @@ def _plot(results: dict[str, dict], instances: int, path: Path) -> Path:
     axis.set_xticklabels([f"{p}:{instances - p}" for p in range(1, instances)], fontsize=7)
     axis.set_xlabel("prefill : generation instances")
     axis.set_ylabel("goodput per GPU (req/s)")
+    axis.set_ylim(bottom=0)
     axis.set_title(f"{instances} x H100 (roofline), Llama 3 8B, TTFT <= 1 s and TPOT <= 50 ms for 90 %", fontsize=9)
     axis.legend(fontsize=7)
     figure.tight_layout()
@@ -123,6 +127,7 @@ def main() -> int:
     parser.add_argument("--mix", nargs="+", choices=[name for name, *_ in MIXES], default=[name for name, *_ in MIXES])
     parser.add_argument("--num-requests", type=int, default=400, help="the workload's pool (probes continue it with copies)")
     parser.add_argument("--out", default=None, help="where plans and the plot go (default: a temporary directory)")
+    parser.add_argument("--reuse", action="store_true", help="take a mix's plan from --out when it is there (replot, or resume)")
     args = parser.parse_args()
     args.instances = 2 if args.quick else INSTANCES
     if args.quick:
