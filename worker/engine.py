@@ -188,6 +188,8 @@ class Engine:
             vocab_size=self.vocab_size,
         )
         self._pending_outputs: list[RequestOutput] = []
+        # Prompts to publish to the prefix cache after their step's outputs (publish_prefixes).
+        self._unpublished: list[LlmRequest] = []
         self._events: list[StateEvent] = []
         self._ready_pushes: list[tuple[object, EngineTransferSource | None]] = []
         self._finishing_streams: list[tuple[EngineTransferSource, tuple[int, ...]]] = []
@@ -249,7 +251,23 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._requests) or bool(self._pending_outputs) or self.handover.has_mail()
 
+    def publish_prefixes(self) -> bool:
+        """Publish to the prefix cache the prompts whose publication waited for their step's outputs
+        (a prefill hop's at its first token, a received KV's at commit): the instance calls it once
+        it has handed the step's outputs and pushes out, and every step starts with it, so no prompt
+        waits longer than one step and every scheduling decision sees what it saw before. A request
+        ended meanwhile (aborted) is not published. Whether anything was."""
+        if not self._unpublished:
+            return False
+        waiting, self._unpublished = self._unpublished, []
+        for llm in waiting:
+            tracked = self._requests.get(llm.request_id)
+            if tracked is not None and not tracked.finished and self.blocks.has_sequence(llm.request_id):
+                self.blocks.store_context_blocks(llm)
+        return True
+
     def step(self) -> list[RequestOutput]:
+        self.publish_prefixes()
         now = self._clock()
         outputs = self._pending_outputs
         self._pending_outputs = []
@@ -329,6 +347,8 @@ class Engine:
             logprobs = result.logprobs[index]
             finishing_context = llm.state is S.CONTEXT_INIT or llm.state is S.DISAGG_CONTEXT_INIT_AND_TRANS
             if finishing_context and self.config.enable_prefix_reuse:
+                # Now, not after the first token: a prefill hop's push thread starts reading right after
+                # it, and publishing then (hashing every block, holding the GIL) would delay it more.
                 self.blocks.store_context_blocks(llm)
             llm.add_new_token(token)
             tracked.outputs.append(token)
@@ -463,7 +483,9 @@ class Engine:
         llm.add_new_token(tracked.outputs[-1])  # the first token, from the prefill instance
         self._record(tracked, llm.state, "KV received")
         if self.config.enable_prefix_reuse:
-            self.blocks.store_context_blocks(llm)  # verified KV: reusable by later prompts
+            # Verified KV, reusable by later prompts: published after the step that decodes its
+            # next token (publishing hashes every prompt block: not between the two tokens).
+            self._unpublished.append(llm)
         self._maybe_hold(tracked)
 
     def _on_transfer_failed(self, transfer_id: str, failure: TransferFailure, outputs: list[RequestOutput]) -> None:

@@ -464,6 +464,8 @@ class Instance:
                     self._publish(outputs)
                     for push, source in self.engine.drain_ready_pushes():
                         self._start_push(push, source)
+                    if self.engine.publish_prefixes():  # after the tokens and pushes: off their path
+                        self._refresh_load()  # the router's prefix index hears of them now
                     if self._step_log is not None:
                         self._step_log.record(stepped - started, time.perf_counter() - started)
                 if not worked:

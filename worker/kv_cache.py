@@ -27,6 +27,22 @@ logger = logging.getLogger(__name__)
 KvBytes = bytes | bytearray | memoryview
 
 
+# import_blocks copies block runs one by one when the ids fall in at most this many runs of
+# consecutive ids (freshly reserved blocks mostly do), else one indexed assignment.
+MAX_IMPORT_RUNS = 4
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) ranges of consecutive ids covering `block_ids` in order."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], block_id + 1)
+        else:
+            runs.append((block_id, block_id + 1))
+    return runs
+
+
 class KvCacheError(ValueError):
     """A bad export/import request: block ids, layer range or byte length do not fit the cache."""
 
@@ -45,6 +61,7 @@ class PagedKvCache:
         )
         # Host-side metadata even for a CUDA cache: compared on the host every step.
         self._block_versions = torch.zeros(num_blocks, dtype=torch.int64)
+        self._byte_array: np.ndarray | None = None  # byte_array(), made on first use
         logger.debug(
             "allocated KV cache: %d blocks x %d layers, %d bytes",
             num_blocks,
@@ -105,6 +122,22 @@ class PagedKvCache:
         self._check_layers(layer_start, layer_end)
         return self._kv[layer_start:layer_end, :, index].contiguous()
 
+    def byte_array(self) -> np.ndarray:
+        """The whole cache as a uint8 numpy array over its storage (CPU only): [layers, 2, blocks,
+        tpb, kv_heads, head_dim x element size]. Slicing it costs a fraction of slicing the tensor,
+        which matters to a reader that takes many views per chunk (a push's parts)."""
+        if self._byte_array is None:
+            if self.device.type != "cpu":
+                raise KvCacheError("byte_array: the cache is not on the CPU")
+            self._byte_array = self._kv.view(torch.uint8).numpy()
+        return self._byte_array
+
+    def check_range(self, layer_start: int, layer_end: int, block_ids: Sequence[int]) -> None:
+        """Raise KvCacheError unless the layers and block ids name a range of this cache (what an
+        export checks, for callers that read the cache's own views)."""
+        self._block_index(block_ids, unique=False)
+        self._check_layers(layer_start, layer_end)
+
     def export_uint8(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
         """The same bytes as a flat uint8 CPU tensor: `.numpy()` gives them without dtype conversion (bf16 too)."""
         return self.export_blocks(block_ids, layer_start, layer_end).cpu().view(-1).view(torch.uint8)
@@ -122,6 +155,12 @@ class PagedKvCache:
         """Write a run exported by a compatible cache into `block_ids` (distinct ids) of layers [start, end)."""
         index = self._block_index(block_ids, unique=True)
         self._check_layers(layer_start, layer_end)
+        if self.device.type == "cpu" and not isinstance(data, torch.Tensor):
+            runs = block_runs(index.tolist())
+            if len(runs) <= MAX_IMPORT_RUNS:
+                self._import_runs(runs, layer_start, layer_end, data)
+                self.note_written(index)
+                return
         shape = (
             layer_end - layer_start,
             2,
@@ -134,6 +173,25 @@ class PagedKvCache:
         source = self._as_cache_tensor(data, expected_bytes).view(shape)
         self._kv[layer_start:layer_end, :, index] = source.to(self.device, non_blocking=False)
         self.note_written(index.cpu())
+
+    def _import_runs(self, runs: list[tuple[int, int]], layer_start: int, layer_end: int, data: KvBytes) -> None:
+        """import_blocks on the CPU for block ids in a few runs of consecutive ids: one numpy copy per
+        layer, K or V and run (torch's indexed assignment costs more than the bytes at these sizes)."""
+        view = memoryview(data).cast("B")
+        num_blocks = sum(end - start for start, end in runs)
+        expected_bytes = self.run_bytes(num_blocks, layer_start, layer_end)
+        if view.nbytes != expected_bytes:
+            raise KvCacheError(f"data is {view.nbytes} bytes, the run needs exactly {expected_bytes}")
+        cache = self.byte_array()
+        block_bytes = cache[0, 0, 0].nbytes
+        source = np.frombuffer(view, dtype=np.uint8)
+        offset = 0
+        for layer in range(layer_start, layer_end):
+            for side in (0, 1):
+                for start, end in runs:
+                    size = (end - start) * block_bytes
+                    cache[layer, side, start:end].reshape(-1)[:] = source[offset : offset + size]
+                    offset += size
 
     def _as_cache_tensor(self, data: KvBytes | torch.Tensor, expected_bytes: int) -> torch.Tensor:
         if isinstance(data, torch.Tensor):

@@ -445,3 +445,43 @@ def test_a_request_the_kv_pool_can_never_hold_is_refused_at_submission(default_m
         outputs = run_all(engine)
         assert outputs["fits"][-1].finished and outputs["fits"][-1].error is None
         assert_no_leak(engine)
+
+
+def test_a_handed_over_prompt_is_published_after_its_first_token_and_step_not_before(default_model, corpus) -> None:
+    """Publishing a prompt to the prefix cache hashes every block: the generation side publishes a
+    received prompt after the step that decodes its next token, never between the two tokens."""
+    from scheduler.block_manager import PrefixEventKind
+
+    def stored(engine: Engine) -> int:
+        return sum(1 for event in engine.load().prefix_events if event.kind is PrefixEventKind.STORED)
+
+    options = {"record_prefix_events": True}
+    prefill = make_engine(default_model, role=InstanceRole.PREFILL, **options)
+    generation = make_engine(default_model, role=InstanceRole.GENERATION, **options)
+    prompt = tuple(corpus[0])
+    prefill.add_request(SubmitRequest("h", prompt, greedy(), RequestType.CONTEXT_ONLY))
+    first: list[int] = []
+    for _ in range(50):
+        first += [t for output in prefill.step() if output.context_done for t in output.new_token_ids]
+        if first:
+            break
+    # The prefill side publishes in the step that makes the first token (its push thread reads the
+    # blocks right after: publishing then would hold the GIL against it).
+    assert stored(prefill) == (len(prompt) - 1) // prefill.config.tokens_per_block
+    assert not prefill.publish_prefixes()
+    generation.add_request(SubmitRequest("h", prompt, greedy(), RequestType.GENERATION_ONLY, tuple(first)))
+    while generation.reservation("h") is None:
+        generation.step()
+    # As the KV receiver's thread does: write and commit through the target (the commit reaches the
+    # engine through its inbox, taken in by its next step).
+    layout, data = prefill.export_kv("h")
+    target = generation.open_transfer(generation.reservation("h").transfer_id, "h", layout)
+    target.write(0, layout.num_layers, 0, target.num_blocks, memoryview(data))
+    target.commit(tuple(first))
+    prefill.finish_handover("h", None)
+    assert stored(generation) == 0
+    outputs = generation.step()  # takes the commit in, decodes the next token
+    assert [t for output in outputs for t in output.new_token_ids] and stored(generation) == 0
+    generation.step()  # the next step starts by publishing it
+    assert stored(generation) == (len(prompt) - 1) // generation.config.tokens_per_block
+

@@ -131,3 +131,46 @@ def test_num_blocks_must_be_positive():
     layout = KvLayout(1, 1, 2, 2, "float32", "f")
     with pytest.raises(KvCacheError, match="num_blocks"):
         PagedKvCache(layout, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "ids",
+    [[3, 4, 5, 6], [9, 2, 3, 4], [1, 3, 5, 7, 9, 11], [7]],
+    ids=["one run", "two runs", "six runs (the indexed path)", "one block"],
+)
+def test_import_by_runs_writes_what_the_indexed_import_writes(dtype, ids):
+    layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=dtype, model_fingerprint="m")
+    source = PagedKvCache(layout, 16)
+    source.tensor.copy_(torch.randn(source.tensor.shape).to(source.dtype))
+    data = source.export_bytes(list(range(len(ids))), 1, 3)
+    by_runs, indexed = PagedKvCache(layout, 16), PagedKvCache(layout, 16)
+    by_runs.import_blocks(ids, 1, 3, data)  # bytes: the run-by-run copy when the ids make few runs
+    indexed.import_blocks(ids, 1, 3, torch.frombuffer(bytearray(data), dtype=torch.uint8))  # a tensor: indexed
+    assert torch.equal(by_runs.tensor.view(torch.uint8), indexed.tensor.view(torch.uint8))
+    assert by_runs.export_bytes(ids, 1, 3) == data
+    assert torch.equal(by_runs.block_versions, indexed.block_versions)  # the decode mirror sees the write
+    with pytest.raises(KvCacheError):
+        by_runs.import_blocks(ids, 1, 3, data[:-1])
+
+
+def test_a_transfer_source_hands_out_views_of_the_cache_equal_to_its_gathered_read():
+    from worker.transfer_source import MAX_PART_RUNS, EngineTransferSource
+
+    layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="bfloat16", model_fingerprint="m")
+    cache = PagedKvCache(layout, 32)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape).to(cache.dtype))
+    for ids in ([4, 5, 6, 7, 8], [10, 11, 2, 3, 20], list(range(0, 2 * (MAX_PART_RUNS + 1), 2))):
+        source = EngineTransferSource(cache, layout, ids)
+        for layers, blocks in (((0, 3), (0, len(ids))), ((1, 2), (1, len(ids) - 1))):
+            parts = source.read_parts(*layers, *blocks)
+            assert b"".join(bytes(part) for part in parts) == bytes(source.read(*layers, *blocks))
+    # One view per layer, K or V and run of consecutive ids; past MAX_PART_RUNS runs, one gathered part.
+    assert len(EngineTransferSource(cache, layout, [10, 11, 2, 3, 20]).read_parts(0, 3, 0, 5)) == 3 * 2 * 3
+    scattered = list(range(0, 2 * (MAX_PART_RUNS + 1), 2))
+    assert len(EngineTransferSource(cache, layout, scattered).read_parts(0, 3, 0, len(scattered))) == 1
+    # Views, not copies: they see the cache's bytes as they are (the engine pins them for a push).
+    source = EngineTransferSource(cache, layout, [4, 5])
+    view = source.read_parts(0, 1, 0, 2)[0]
+    cache.tensor[0, 0, 4].zero_()
+    assert not any(bytes(view)[: cache.tensor[0, 0, 4].numel() * 2])

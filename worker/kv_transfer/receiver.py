@@ -399,9 +399,12 @@ class KvTransferServer:
                     if len(chunk.data):
                         failure = _protocol_error("the end-of-stream marker carries no data")
                         break
-                    if header.HasField("commit"):
-                        commit = header.commit
                     ended = True
+                    if header.HasField("commit"):
+                        # The push's last message: commit now rather than after the sender's
+                        # half-close (a message after it goes unread, and the commit stands).
+                        commit = header.commit
+                        break
                     continue
                 result = self._handle_chunk(record, chunk)
                 if isinstance(result, _Ended):
