@@ -3,10 +3,15 @@
 A block's hash covers the LoRA task and the whole token prefix through the end of that block
 (a chain: each hash folds in its parent's), so equal hashes mean equal KV content for a given
 model. blake2b is used, not Python's hash(), so that every process computes the same values.
+
+The chain of a prompt is a pure function of its tokens, so it is computed once per process for the
+last PROMPT_CHAIN_MEMO prompts: the simulator runs the router and both instances of a request in one
+process, and each of them hashes the same prompt (a blake2b per block, three times per request).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
@@ -14,6 +19,9 @@ from collections.abc import Callable, Sequence
 BLOCK_HASH_BYTES = 8
 
 _ROOT = b"duet-block-v1"
+# Prompts whose chains are kept: a simulated request's prefill instance stores its blocks within its
+# time to first token and its generation instance just after, thousands of requests later at most.
+PROMPT_CHAIN_MEMO = 16384
 
 
 def _lora_bytes(lora_task_id: int | None) -> bytes:
@@ -31,6 +39,12 @@ def block_hash_chain(
     """Hashes of every full block of `token_ids` (a trailing partial block gets none)."""
     if tokens_per_block <= 0:
         raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    return list(prompt_chain(token_ids if type(token_ids) is tuple else tuple(token_ids), tokens_per_block, lora_task_id))
+
+
+@functools.lru_cache(maxsize=PROMPT_CHAIN_MEMO)
+def prompt_chain(token_ids: tuple[int, ...], tokens_per_block: int, lora_task_id: int | None) -> tuple[int, ...]:
+    """`block_hash_chain` of a tuple of tokens, memoised (read-only: the tuple is shared)."""
     hashes: list[int] = []
     parent = hashlib.blake2b(_ROOT + _lora_bytes(lora_task_id), digest_size=BLOCK_HASH_BYTES).digest()
     num_full = len(token_ids) // tokens_per_block
@@ -40,4 +54,4 @@ def block_hash_chain(
         digest = hashlib.blake2b(parent + pack(*block), digest_size=BLOCK_HASH_BYTES).digest()
         hashes.append(int.from_bytes(digest, "little"))
         parent = digest
-    return hashes
+    return tuple(hashes)

@@ -19,13 +19,12 @@ blocks, no variable-window attention).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from scheduler.block_hash import _ROOT, BLOCK_HASH_BYTES, _lora_bytes, block_packer
+from scheduler.block_hash import prompt_chain
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -116,7 +115,7 @@ class _ReuseNode:
         self.block_id = block_id
         self.parent = parent
         self.children: dict[int, _ReuseNode] = {}
-        self.digest = b""
+        self.digest: int | None = None  # its block hash (scheduler/block_hash.py), when events are recorded
 
 
 class _PrefixWalk:
@@ -219,9 +218,6 @@ class BlockManager:
         self._max_token_num = config.max_token_num
         self._max_attention_window = config.max_attention_window
         self._sink_token_len = config.sink_token_len
-        # A full block's tokens as scheduler/block_hash.py packs them, compiled once (every
-        # published block is packed and hashed: hundreds per request).
-        self._pack_block = block_packer(config.tokens_per_block)
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -267,7 +263,7 @@ class BlockManager:
 
     def cached_block_hashes(self) -> list[int]:
         """Hashes of every published block (for a full resync of the router's index)."""
-        return [int.from_bytes(node.digest, "little") for node in self._node_of_block.values() if node.digest]
+        return [node.digest for node in self._node_of_block.values() if node.digest is not None]
 
     # --- block pool ---------------------------------------------------------------------------
     def _allocate_fresh(self) -> int:
@@ -304,10 +300,8 @@ class BlockManager:
                     self._free.append(current.block_id)
                 elif self._ref[current.block_id] == 0 and current.block_id != taken:
                     self._free.append(current.block_id)
-                if self.config.record_events and current.digest:
-                    self._events.append(
-                        PrefixEvent(PrefixEventKind.REMOVED, int.from_bytes(current.digest, "little"))
-                    )
+                if self.config.record_events and current.digest is not None:
+                    self._events.append(PrefixEvent(PrefixEventKind.REMOVED, current.digest))
 
     def _acquire_cached(self, block: int) -> None:
         if self._ref[block] == 0:
@@ -509,6 +503,18 @@ class BlockManager:
                 blocks.append(self._allocate_fresh())
         sequence.num_tokens += 1
 
+    def add_token_to_each(self, requests: Iterable[LlmRequest]) -> None:
+        """`add_token` for each request's sequence, in order (a decode step's batch, in one call)."""
+        sequences, tpb = self._sequences, self.tokens_per_block
+        for request in requests:
+            sequence = sequences.get(request.request_id)
+            if sequence is None:
+                raise BlockAccountingError(f"no KV sequence for request {request.request_id!r}")
+            if sequence.num_tokens % tpb == 0:
+                for blocks in sequence.beam_blocks:
+                    blocks.append(self._allocate_fresh())
+            sequence.num_tokens += 1
+
     def store_context_blocks(self, request: LlmRequest) -> int:
         """Publish the first floor((P-1)/tpb) full prompt blocks; returns how many became new nodes."""
         if not self.enable_block_reuse:
@@ -522,14 +528,14 @@ class BlockManager:
         root = self._roots.get(lora)
         if root is None:
             root = _ReuseNode(None, 0, -1, None)
-            root.digest = hashlib.blake2b(_ROOT + _lora_bytes(lora), digest_size=BLOCK_HASH_BYTES).digest()
             self._roots[lora] = root
             self._walk_epoch += 1  # a walk of this task that found no root is stale now
         parent = root
         created = 0
         node_of_block = self._node_of_block
         record_events = self.config.record_events
-        pack, blake2b, events, stored = self._pack_block, hashlib.blake2b, self._events, PrefixEventKind.STORED
+        events, stored = self._events, PrefixEventKind.STORED
+        chain = None  # the prompt's block hashes, taken when a first block is published
         for index in range(count):
             key = keys[index]
             digest = digests[index]
@@ -547,8 +553,11 @@ class BlockManager:
                 node_of_block[block] = node
                 created += 1
                 if record_events:
-                    node.digest = blake2b(parent.digest + pack(*key), digest_size=BLOCK_HASH_BYTES).digest()
-                    events.append(PrefixEvent(stored, int.from_bytes(node.digest, "little")))
+                    if chain is None:
+                        # The chain of the request's own prompt: a node's parents are its blocks.
+                        chain = prompt_chain(tuple(request.tokens[0][: request.prompt_len]), self.tokens_per_block, lora)
+                    node.digest = chain[index]
+                    events.append(PrefixEvent(stored, node.digest))
             parent = node
         return created
 

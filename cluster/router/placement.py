@@ -459,6 +459,7 @@ class PlacementPlan:
 
 # The roles that run generation hops (and colocated requests).
 GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
+_GENERATION, _MIXED = InstanceRole.GENERATION, InstanceRole.MIXED
 
 
 class Placer:
@@ -481,7 +482,9 @@ class Placer:
     def _choose_generation(
         self, request: PlacementRequest, ordered: Sequence[Candidate], overlap_blocks: Mapping[str, int]
     ) -> tuple[Placement, list[Candidate]]:
-        generation_pool = [c for c in ordered if c.load.role in GENERATION_ROLES]
+        # Roles by identity, not `in GENERATION_ROLES`: an Enum hashes in Python, and this runs over
+        # every instance per request.
+        generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
         healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
         if not healthy_generation:
             raise NoInstanceAvailable(

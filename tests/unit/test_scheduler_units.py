@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 
-from scheduler.block_hash import block_hash_chain
+from scheduler.block_hash import block_hash_chain, prompt_chain
 from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind
 from scheduler.capacity import MaxUtilizationScheduler
 from scheduler.chunking import chunk_contexts
@@ -15,7 +18,7 @@ from scheduler.config import (
     ReorderPolicy,
     SchedulerConfig,
 )
-from scheduler.errors import IllegalStateTransition, InvalidFieldError, OutOfBlocksError
+from scheduler.errors import BlockAccountingError, IllegalStateTransition, InvalidFieldError, OutOfBlocksError
 from scheduler.ordering import insert_by_priority, priority_order
 from scheduler.request import LlmRequest
 from scheduler.scheduler import TwoLevelScheduler
@@ -239,6 +242,49 @@ def test_priority_reorder_changes_admission() -> None:
 
 
 # --- block manager -----------------------------------------------------------------------------
+def _chain_block_by_block(tokens: list[int], tpb: int, lora: int | None) -> list[int]:
+    """The chain as scheduler/block_hash.py defines it, computed here without its memo."""
+    parent = hashlib.blake2b(b"duet-block-v1" + (b"none" if lora is None else struct.pack("<q", lora)), digest_size=8).digest()
+    hashes = []
+    for start in range(0, len(tokens) - len(tokens) % tpb, tpb):
+        parent = hashlib.blake2b(parent + struct.pack(f"<{tpb}q", *tokens[start : start + tpb]), digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes
+
+
+def test_memoised_prompt_chain_is_the_block_by_block_chain() -> None:
+    prompt = list(range(100, 139))
+    for lora in (None, 3):
+        expected = _chain_block_by_block(prompt, 4, lora)
+        assert block_hash_chain(prompt, 4, lora) == expected  # first: computed
+        assert block_hash_chain(tuple(prompt), 4, lora) == expected  # then: from the memo
+        assert block_hash_chain(prompt[:17], 4, lora) == expected[:4]  # another prompt, its own entry
+    assert block_hash_chain(prompt, 4) != block_hash_chain(prompt, 4, 3)
+
+
+def test_published_blocks_carry_the_chain_of_their_prompt_memoised_or_not() -> None:
+    """A block manager's events name the blocks it publishes by the prompt's chain, whether another
+    user of the memo (the router) hashed that prompt first or not."""
+    prompt = list(range(200, 229))
+    expected = _chain_block_by_block(prompt, 4, None)
+    for memoised in (False, True):
+        prompt_chain.cache_clear()
+        if memoised:
+            block_hash_chain(tuple(prompt), 4)
+        kv = BlockManager(
+            BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True, record_events=True)
+        )
+        shared = LlmRequest(1, prompt[:12], 4)
+        kv.add_sequence(shared)
+        kv.store_context_blocks(shared)
+        longer = LlmRequest(2, prompt, 4)
+        kv.add_sequence(longer)
+        kv.store_context_blocks(longer)  # publishes only the blocks after the shared ones
+        stored = [e.block_hash for e in kv.drain_events()]
+        assert stored == expected[:2] + expected[2:7]
+        assert sorted(kv.cached_block_hashes()) == sorted(expected[:7])
+
+
 def test_prefix_reuse_events_use_the_shared_block_hashes() -> None:
     kv = BlockManager(
         BlockManagerConfig(tokens_per_block=4, num_blocks=16, max_attention_window=64, enable_block_reuse=True, record_events=True)
@@ -441,3 +487,23 @@ def test_blocks_at_completion_is_what_a_fresh_request_still_needs(prompt_len, ma
     )
     request = LlmRequest("r", list(range(1, prompt_len + 1)), max_new, beam_width=beam_width)
     assert kv.blocks_at_completion(request) == kv.remaining_blocks_to_completion(request)
+
+
+def test_add_token_to_each_is_add_token_for_each_in_order() -> None:
+    """The batched decode-step growth allocates the same blocks, in the same order, as one call per request."""
+    managers = [BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=64, max_attention_window=64)) for _ in range(2)]
+    batches = []
+    for kv in managers:
+        requests = [LlmRequest(i, [1] * (3 + i), 16) for i in range(4)]
+        for request in requests:
+            kv.add_sequence(request)
+        batches.append(requests)
+    for _ in range(9):
+        for request in batches[0]:
+            managers[0].add_token(request.request_id)
+        managers[1].add_token_to_each(batches[1])
+    for request_id in range(4):
+        assert managers[0].block_ids(request_id) == managers[1].block_ids(request_id)
+        assert managers[0].num_sequence_tokens(request_id) == managers[1].num_sequence_tokens(request_id)
+    with pytest.raises(BlockAccountingError):
+        managers[1].add_token_to_each([LlmRequest("unknown", [1], 1)])
