@@ -507,3 +507,28 @@ def test_add_token_to_each_is_add_token_for_each_in_order() -> None:
         assert managers[0].num_sequence_tokens(request_id) == managers[1].num_sequence_tokens(request_id)
     with pytest.raises(BlockAccountingError):
         managers[1].add_token_to_each([LlmRequest("unknown", [1], 1)])
+
+
+def test_receiving_requests_claim_the_same_blocks_on_the_hot_path() -> None:
+    """GUARANTEED_NO_EVICT claims the rest of a receiving request's run (its KV in flight) inline for
+    plain requests: the same admissions as the general formula, at every pool size around the edge."""
+    from scheduler.capacity import CapacityScheduler, GuaranteedNoEvictScheduler
+
+    for num_blocks in range(12, 40):
+        outcomes = []
+        for hot in (True, False):
+            kv = BlockManager(
+                BlockManagerConfig(tokens_per_block=4, num_blocks=num_blocks, max_attention_window=256, enable_block_reuse=True)
+            )
+            receiving = [LlmRequest(f"g{i}", [7, i] * (3 + i), 5 + 3 * i, state=S.DISAGG_GENERATION_INIT) for i in range(3)]
+            for request in receiving:
+                kv.add_sequence(request, reuse=False)
+                request.set_state(S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+            waiting = [LlmRequest(f"c{i}", [3, i, 1] * (2 + i), 4) for i in range(3)]
+            CapacityScheduler.use_hot_paths = hot
+            try:
+                output = GuaranteedNoEvictScheduler(8, kv).schedule(receiving + waiting)
+            finally:
+                CapacityScheduler.use_hot_paths = True
+            outcomes.append(([r.request_id for r in output.fitting], [r.estimated_reusable_tokens for r in receiving]))
+        assert outcomes[0] == outcomes[1], num_blocks
