@@ -71,7 +71,7 @@ BLOCKS_PER_CHUNK = 4  # transfer chunks a fault plan's chunk rules count (worker
 _transfer_ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(slots=True)  # its fields are read for every token of every request
 class _Request:
     submit: SubmitRequest
     llm: LlmRequest
@@ -566,11 +566,12 @@ class SimInstance:
             finishing_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
             if finishing_context and reuse:
                 self.blocks.store_context_blocks(llm)
-            token = instant_token(request.seed, request.num_outputs, vocab)
+            num_outputs = request.num_outputs
+            token = instant_token(request.seed, num_outputs, vocab)
             tokens = llm.tokens[0]
             tokens.append(token)  # llm.add_new_token(token)
-            request.num_outputs += 1
-            if request.num_outputs >= request.max_tokens or len(tokens) >= max_seq_len:
+            request.num_outputs = num_outputs = num_outputs + 1
+            if num_outputs >= request.max_tokens or len(tokens) >= max_seq_len:
                 self._finish(request, S.GENERATION_COMPLETE, token, FinishReason.LENGTH)
                 done.add(llm.request_id)
                 continue
@@ -590,7 +591,7 @@ class SimInstance:
                 if rid in merged_since_poll:  # as _hold merges it
                     held = merge[rid]
                     held.tokens.append(token)
-                    held.num_output_tokens = request.num_outputs
+                    held.num_output_tokens = num_outputs
                 else:
                     self._hold(request, (token,))
                 continue
