@@ -19,12 +19,13 @@ blocks, no variable-window attention).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from scheduler.block_hash import prompt_chain
+from scheduler.block_hash import PROMPT_CHAIN_MEMO, prompt_chain
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -98,6 +99,30 @@ class PrefixEventKind(Enum):
 class PrefixEvent:
     kind: PrefixEventKind
     block_hash: int
+
+
+@functools.lru_cache(maxsize=PROMPT_CHAIN_MEMO)
+def _stored_events(chain: tuple[int, ...]) -> tuple[PrefixEvent, ...]:
+    """The STORED events of a prompt's blocks (by its memoised chain), built once and shared by every
+    manager that publishes them: they are frozen, and a simulated request's prefill and generation
+    instances publish the same prompt."""
+    return tuple([PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in chain])
+
+
+@functools.lru_cache(maxsize=PROMPT_CHAIN_MEMO)
+def _prompt_blocks(full_blocks: tuple[int, ...], tokens_per_block: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """A prompt's full blocks as tuples (the reuse tree's keys) and their in-process chain hashes (its
+    dict keys), built once per prompt and shared: a simulated request's prefill and generation
+    instances cut the same prompt, and their trees then hold the same key tuples."""
+    # zip over one iterator `tpb` times takes the tokens tpb at a time (no slice and tuple per block).
+    tokens = iter(full_blocks)
+    keys = tuple(zip(*([tokens] * tokens_per_block), strict=True))
+    digests = []
+    chain = 0
+    for key in keys:
+        chain = hash((chain, key))  # deterministic for ints; only ever used in-process
+        digests.append(chain)
+    return keys, tuple(digests)
 
 
 class _ReuseNode:
@@ -185,7 +210,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _new_block_key(request: LlmRequest, digests: list[int], matched: list[_ReuseNode]) -> tuple | None:
+def _new_block_key(request: LlmRequest, digests: tuple[int, ...], matched: list[_ReuseNode]) -> tuple | None:
     """`find_new_context_block`'s key from the request's digests and its matched path."""
     if len(matched) == len(digests):
         return None
@@ -320,28 +345,21 @@ class BlockManager:
                 self._free.append(block)
 
     # --- prefix tree walks --------------------------------------------------------------------
-    def _keys(self, request: LlmRequest) -> list[tuple[int, ...]]:
+    def _keys(self, request: LlmRequest) -> tuple[tuple[int, ...], ...]:
         keys = request.block_keys
         if keys is None:
             tpb = self.tokens_per_block
             prompt_len = request.prompt_len
-            # The prompt's full blocks as tuples: zip over one iterator `tpb` times takes the
-            # tokens tpb at a time (without a slice and a tuple per block).
-            tokens = iter(request.tokens[0][: prompt_len - prompt_len % tpb])
-            keys = list(zip(*([tokens] * tpb), strict=True))
+            keys, request.block_digests = _prompt_blocks(tuple(request.tokens[0][: prompt_len - prompt_len % tpb]), tpb)
             request.block_keys = keys
-            request.block_digests = None
         return keys
 
-    def _digests(self, request: LlmRequest) -> list[int]:
+    def _digests(self, request: LlmRequest) -> tuple[int, ...]:
         digests = request.block_digests
         if digests is None:
-            digests = []
-            chain = 0
-            for key in self._keys(request):
-                chain = hash((chain, key))  # deterministic for ints; only ever used in-process
-                digests.append(chain)
-            request.block_digests = digests
+            request.block_keys = None  # (they are taken together)
+            self._keys(request)
+            digests = request.block_digests
         return digests
 
     def _matched(self, request: LlmRequest) -> list[_ReuseNode]:
@@ -534,8 +552,8 @@ class BlockManager:
         created = 0
         node_of_block = self._node_of_block
         record_events = self.config.record_events
-        events, stored = self._events, PrefixEventKind.STORED
-        chain = None  # the prompt's block hashes, taken when a first block is published
+        events = self._events
+        chain = stored_events = None  # the prompt's block hashes and events, taken when a first block is published
         for index in range(count):
             key = keys[index]
             digest = digests[index]
@@ -556,8 +574,9 @@ class BlockManager:
                     if chain is None:
                         # The chain of the request's own prompt: a node's parents are its blocks.
                         chain = prompt_chain(tuple(request.tokens[0][: request.prompt_len]), self.tokens_per_block, lora)
+                        stored_events = _stored_events(chain)
                     node.digest = chain[index]
-                    events.append(PrefixEvent(stored, node.digest))
+                    events.append(stored_events[index])
             parent = node
         return created
 

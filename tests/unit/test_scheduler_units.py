@@ -532,3 +532,32 @@ def test_receiving_requests_claim_the_same_blocks_on_the_hot_path() -> None:
                 CapacityScheduler.use_hot_paths = True
             outcomes.append(([r.request_id for r in output.fitting], [r.estimated_reusable_tokens for r in receiving]))
         assert outcomes[0] == outcomes[1], num_blocks
+
+
+def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain() -> None:
+    """The reuse tree's keys and in-process chain hashes of a prompt, shared between the managers that
+    cut it (memoised), equal those cut block by block; a pause (a longer prompt) gets its own."""
+    from scheduler.block_manager import _prompt_blocks
+
+    prompt = list(range(50, 89))  # 9 full blocks of 4 and 3 tokens
+    expected_keys = [tuple(prompt[i : i + 4]) for i in range(0, 36, 4)]
+    expected_digests, chain = [], 0
+    for key in expected_keys:
+        chain = hash((chain, key))
+        expected_digests.append(chain)
+    _prompt_blocks.cache_clear()
+    managers = [
+        BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True, record_events=True))
+        for _ in range(2)
+    ]
+    published = []
+    for kv in managers:
+        request = LlmRequest("r", prompt, 4)
+        kv.add_sequence(request)
+        kv.store_context_blocks(request)
+        assert list(kv._keys(request)) == expected_keys and list(kv._digests(request)) == expected_digests
+        published.append(kv.drain_events())
+    assert published[0] == published[1] and [e.block_hash for e in published[0]] == block_hash_chain(prompt, 4)[:9]
+    assert _prompt_blocks.cache_info().hits >= 1
+    longer = LlmRequest("s", prompt + [1, 2, 3, 4, 5], 4)
+    assert list(managers[0]._keys(longer)) == expected_keys + [(86, 87, 88, 1), (2, 3, 4, 5)]
