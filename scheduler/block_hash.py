@@ -4,9 +4,10 @@ A block's hash covers the LoRA task and the whole token prefix through the end o
 (a chain: each hash folds in its parent's), so equal hashes mean equal KV content for a given
 model. blake2b is used, not Python's hash(), so that every process computes the same values.
 
-The chain of a prompt is a pure function of its tokens, so it is computed once per process for the
-last PROMPT_CHAIN_MEMO prompts: the simulator runs the router and both instances of a request in one
-process, and each of them hashes the same prompt (a blake2b per block, three times per request).
+The chain of a prompt is a pure function of its tokens, so a process that hashes each prompt more
+than once can keep the last ones (`memoise_prompt_chains`): the simulator runs the router and both
+instances of a request in one process, and each of them hashes the same prompt (a blake2b per block,
+three times per request). An engine or a router hashes each prompt once: they keep none (the default).
 """
 
 from __future__ import annotations
@@ -19,9 +20,6 @@ from collections.abc import Callable, Sequence
 BLOCK_HASH_BYTES = 8
 
 _ROOT = b"duet-block-v1"
-# Prompts whose chains are kept: a simulated request's prefill instance stores its blocks within its
-# time to first token and its generation instance just after, thousands of requests later at most.
-PROMPT_CHAIN_MEMO = 16384
 
 
 def _lora_bytes(lora_task_id: int | None) -> bytes:
@@ -42,9 +40,19 @@ def block_hash_chain(
     return list(prompt_chain(token_ids if type(token_ids) is tuple else tuple(token_ids), tokens_per_block, lora_task_id))
 
 
-@functools.lru_cache(maxsize=PROMPT_CHAIN_MEMO)
 def prompt_chain(token_ids: tuple[int, ...], tokens_per_block: int, lora_task_id: int | None) -> tuple[int, ...]:
-    """`block_hash_chain` of a tuple of tokens, memoised (read-only: the tuple is shared)."""
+    """`block_hash_chain` of a tuple of tokens, from the memo when one is kept (read-only: it may be shared)."""
+    return _prompt_chain(token_ids, tokens_per_block, lora_task_id)
+
+
+def memoise_prompt_chains(max_prompts: int) -> None:
+    """Keep the chains of the last `max_prompts` prompts hashed in this process (0: keep none). A new
+    memo each call."""
+    global _prompt_chain
+    _prompt_chain = functools.lru_cache(maxsize=max_prompts)(_chain) if max_prompts > 0 else _chain
+
+
+def _chain(token_ids: tuple[int, ...], tokens_per_block: int, lora_task_id: int | None) -> tuple[int, ...]:
     hashes: list[int] = []
     parent = hashlib.blake2b(_ROOT + _lora_bytes(lora_task_id), digest_size=BLOCK_HASH_BYTES).digest()
     num_full = len(token_ids) // tokens_per_block
@@ -55,3 +63,6 @@ def prompt_chain(token_ids: tuple[int, ...], tokens_per_block: int, lora_task_id
         hashes.append(int.from_bytes(digest, "little"))
         parent = digest
     return tuple(hashes)
+
+
+_prompt_chain: Callable[[tuple[int, ...], int, int | None], tuple[int, ...]] = _chain

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from scheduler.block_hash import PROMPT_CHAIN_MEMO, prompt_chain
+from scheduler.block_hash import memoise_prompt_chains, prompt_chain
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -101,19 +101,16 @@ class PrefixEvent:
     block_hash: int
 
 
-@functools.lru_cache(maxsize=PROMPT_CHAIN_MEMO)
-def _stored_events(chain: tuple[int, ...]) -> tuple[PrefixEvent, ...]:
-    """The STORED events of a prompt's blocks (by its memoised chain), built once and shared by every
-    manager that publishes them: they are frozen, and a simulated request's prefill and generation
-    instances publish the same prompt."""
+def _stored_events_of(chain: tuple[int, ...]) -> tuple[PrefixEvent, ...]:
+    """The STORED events of a prompt's blocks (by its chain). Frozen: memoised, every manager that
+    publishes the prompt shares them."""
     return tuple([PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in chain])
 
 
-@functools.lru_cache(maxsize=PROMPT_CHAIN_MEMO)
-def _prompt_blocks(full_blocks: tuple[int, ...], tokens_per_block: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+def _blocks_of(full_blocks: tuple[int, ...], tokens_per_block: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
     """A prompt's full blocks as tuples (the reuse tree's keys) and their in-process chain hashes (its
-    dict keys), built once per prompt and shared: a simulated request's prefill and generation
-    instances cut the same prompt, and their trees then hold the same key tuples."""
+    dict keys). Memoised, the managers that cut the same prompt share them (and their trees the same
+    key tuples)."""
     # zip over one iterator `tpb` times takes the tokens tpb at a time (no slice and tuple per block).
     tokens = iter(full_blocks)
     keys = tuple(zip(*([tokens] * tokens_per_block), strict=True))
@@ -123,6 +120,25 @@ def _prompt_blocks(full_blocks: tuple[int, ...], tokens_per_block: int) -> tuple
         chain = hash((chain, key))  # deterministic for ints; only ever used in-process
         digests.append(chain)
     return keys, tuple(digests)
+
+
+_stored_events: Callable[[tuple[int, ...]], tuple[PrefixEvent, ...]] = _stored_events_of
+_prompt_blocks: Callable[[tuple[int, ...], int], tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]] = _blocks_of
+
+
+def memoise_prompts(max_prompts: int) -> None:
+    """Keep, for the last `max_prompts` prompts seen in this process, their block hash chain
+    (scheduler/block_hash.py), reuse-tree keys and STORED events (0: keep none, the default). For a
+    process where several managers (and a router) cut and hash the same prompts: the simulator, whose
+    every request's prefill and generation instances publish its prompt (`build_instances` turns it
+    on). An engine sees each prompt once: a memo would only hold memory. A new memo each call."""
+    global _stored_events, _prompt_blocks
+    memoise_prompt_chains(max_prompts)
+    if max_prompts > 0:
+        _stored_events = functools.lru_cache(maxsize=max_prompts)(_stored_events_of)
+        _prompt_blocks = functools.lru_cache(maxsize=max_prompts)(_blocks_of)
+    else:
+        _stored_events, _prompt_blocks = _stored_events_of, _blocks_of
 
 
 class _ReuseNode:

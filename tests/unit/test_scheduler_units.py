@@ -7,8 +7,9 @@ import struct
 
 import pytest
 
-from scheduler.block_hash import block_hash_chain, prompt_chain
-from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind
+from scheduler import block_manager
+from scheduler.block_hash import block_hash_chain
+from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind, memoise_prompts
 from scheduler.capacity import MaxUtilizationScheduler
 from scheduler.chunking import chunk_contexts
 from scheduler.config import (
@@ -252,14 +253,27 @@ def _chain_block_by_block(tokens: list[int], tpb: int, lora: int | None) -> list
     return hashes
 
 
-def test_memoised_prompt_chain_is_the_block_by_block_chain() -> None:
-    prompt = list(range(100, 139))
-    for lora in (None, 3):
-        expected = _chain_block_by_block(prompt, 4, lora)
-        assert block_hash_chain(prompt, 4, lora) == expected  # first: computed
-        assert block_hash_chain(tuple(prompt), 4, lora) == expected  # then: from the memo
-        assert block_hash_chain(prompt[:17], 4, lora) == expected[:4]  # another prompt, its own entry
-    assert block_hash_chain(prompt, 4) != block_hash_chain(prompt, 4, 3)
+@pytest.fixture
+def prompt_memo():
+    """Prompts memoised as the simulator keeps them (a fresh memo), none again afterwards."""
+    memoise_prompts(64)
+    yield
+    memoise_prompts(0)
+
+
+@pytest.mark.parametrize("memoised", [False, True])
+def test_prompt_chain_is_the_block_by_block_chain(memoised: bool) -> None:
+    memoise_prompts(64 if memoised else 0)
+    try:
+        prompt = list(range(100, 139))
+        for lora in (None, 3):
+            expected = _chain_block_by_block(prompt, 4, lora)
+            assert block_hash_chain(prompt, 4, lora) == expected  # first: computed
+            assert block_hash_chain(tuple(prompt), 4, lora) == expected  # then: from the memo, if kept
+            assert block_hash_chain(prompt[:17], 4, lora) == expected[:4]  # another prompt, its own entry
+        assert block_hash_chain(prompt, 4) != block_hash_chain(prompt, 4, 3)
+    finally:
+        memoise_prompts(0)
 
 
 def test_published_blocks_carry_the_chain_of_their_prompt_memoised_or_not() -> None:
@@ -267,9 +281,9 @@ def test_published_blocks_carry_the_chain_of_their_prompt_memoised_or_not() -> N
     user of the memo (the router) hashed that prompt first or not."""
     prompt = list(range(200, 229))
     expected = _chain_block_by_block(prompt, 4, None)
-    for memoised in (False, True):
-        prompt_chain.cache_clear()
-        if memoised:
+    for hashed_first, memo_size in ((False, 0), (False, 64), (True, 64)):
+        memoise_prompts(memo_size)
+        if hashed_first:
             block_hash_chain(tuple(prompt), 4)
         kv = BlockManager(
             BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True, record_events=True)
@@ -283,6 +297,7 @@ def test_published_blocks_carry_the_chain_of_their_prompt_memoised_or_not() -> N
         stored = [e.block_hash for e in kv.drain_events()]
         assert stored == expected[:2] + expected[2:7]
         assert sorted(kv.cached_block_hashes()) == sorted(expected[:7])
+    memoise_prompts(0)
 
 
 def test_prefix_reuse_events_use_the_shared_block_hashes() -> None:
@@ -534,18 +549,15 @@ def test_receiving_requests_claim_the_same_blocks_on_the_hot_path() -> None:
         assert outcomes[0] == outcomes[1], num_blocks
 
 
-def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain() -> None:
+def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain(prompt_memo) -> None:
     """The reuse tree's keys and in-process chain hashes of a prompt, shared between the managers that
     cut it (memoised), equal those cut block by block; a pause (a longer prompt) gets its own."""
-    from scheduler.block_manager import _prompt_blocks
-
     prompt = list(range(50, 89))  # 9 full blocks of 4 and 3 tokens
     expected_keys = [tuple(prompt[i : i + 4]) for i in range(0, 36, 4)]
     expected_digests, chain = [], 0
     for key in expected_keys:
         chain = hash((chain, key))
         expected_digests.append(chain)
-    _prompt_blocks.cache_clear()
     managers = [
         BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True, record_events=True))
         for _ in range(2)
@@ -558,6 +570,6 @@ def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain() -> None:
         assert list(kv._keys(request)) == expected_keys and list(kv._digests(request)) == expected_digests
         published.append(kv.drain_events())
     assert published[0] == published[1] and [e.block_hash for e in published[0]] == block_hash_chain(prompt, 4)[:9]
-    assert _prompt_blocks.cache_info().hits >= 1
+    assert block_manager._prompt_blocks.cache_info().hits >= 1
     longer = LlmRequest("s", prompt + [1, 2, 3, 4, 5], 4)
     assert list(managers[0]._keys(longer)) == expected_keys + [(86, 87, 88, 1), (2, 3, 4, 5)]
