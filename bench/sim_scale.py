@@ -17,7 +17,8 @@ Figures: `sim_requests_per_wall_s` (requests simulated per wall second), `instan
 `sim_us_per_request` (wall microseconds of the whole simulation per request), `router_us_per_request`
 (the router's own CPU per request: its share of the run's CPU, sampled from the stack every 10 ms,
 with the whole split in `cpu_shares`: router, simulated instances, scheduler, load side, event
-loop), the simulated duration, latencies and utilisation. Target: the full run within 300 s of
+loop), the simulated duration, latencies and utilisation, and `records_digest` (a hash of every request's
+token times: equal digests, equal results). Target: the full run within 300 s of
 wall time.
 
     python bench/sim_scale.py [--quick] [--requests N] [--profile P] [--load 0.7]
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import hashlib
 import logging
 import pstats
 import random
@@ -176,6 +178,16 @@ async def simulate(requests, rate_per_s: float, config: ClusterConfig, settings:
     return records, virtual_s, instances, router
 
 
+def records_digest(records: list) -> str:
+    """sha256 of every request's (index, sent, end, chunk times and sizes, error), reprs of the floats:
+    two runs with the same digest made the same decisions to the last token (the check that a speed-up
+    changed no result)."""
+    digest = hashlib.sha256()
+    for r in records:
+        digest.update(repr((r.index, r.sent_s, r.end_s, r.chunk_times_s, r.chunk_tokens, r.error)).encode())
+    return digest.hexdigest()[:16]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 instances, 1,000 requests (CI smoke test)")
@@ -247,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_p50_ms": round(metrics.tpot_ms.p50, 3) if metrics.tpot_ms else None,
         "utilisation": {k: round(v, 3) for k, v in utilisation.items()},
         "illegal_transitions": router.illegal_transitions,
+        "records_digest": records_digest(records),
     }
     print_table(["figure", "value"], [[k, v] for k, v in figures.items() if not isinstance(v, dict)])
     targets = {"wall_s": Target(wall_s, MAX_WALL_S, higher_is_better=False)}

@@ -19,13 +19,13 @@ blocks, no variable-window attention).
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from scheduler.block_hash import _ROOT, BLOCK_HASH_BYTES, _lora_bytes, block_packer
+from scheduler.block_hash import memoise_prompt_chains, prompt_chain
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -101,6 +101,46 @@ class PrefixEvent:
     block_hash: int
 
 
+def _stored_events_of(chain: tuple[int, ...]) -> tuple[PrefixEvent, ...]:
+    """The STORED events of a prompt's blocks (by its chain). Frozen: memoised, every manager that
+    publishes the prompt shares them."""
+    return tuple([PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in chain])
+
+
+def _blocks_of(full_blocks: tuple[int, ...], tokens_per_block: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """A prompt's full blocks as tuples (the reuse tree's keys) and their in-process chain hashes (its
+    dict keys). Memoised, the managers that cut the same prompt share them (and their trees the same
+    key tuples)."""
+    # zip over one iterator `tpb` times takes the tokens tpb at a time (no slice and tuple per block).
+    tokens = iter(full_blocks)
+    keys = tuple(zip(*([tokens] * tokens_per_block), strict=True))
+    digests = []
+    chain = 0
+    for key in keys:
+        chain = hash((chain, key))  # deterministic for ints; only ever used in-process
+        digests.append(chain)
+    return keys, tuple(digests)
+
+
+_stored_events: Callable[[tuple[int, ...]], tuple[PrefixEvent, ...]] = _stored_events_of
+_prompt_blocks: Callable[[tuple[int, ...], int], tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]] = _blocks_of
+
+
+def memoise_prompts(max_prompts: int) -> None:
+    """Keep, for the last `max_prompts` prompts seen in this process, their block hash chain
+    (scheduler/block_hash.py), reuse-tree keys and STORED events (0: keep none, the default). For a
+    process where several managers (and a router) cut and hash the same prompts: the simulator, whose
+    every request's prefill and generation instances publish its prompt (`build_instances` turns it
+    on). An engine sees each prompt once: a memo would only hold memory. A new memo each call."""
+    global _stored_events, _prompt_blocks
+    memoise_prompt_chains(max_prompts)
+    if max_prompts > 0:
+        _stored_events = functools.lru_cache(maxsize=max_prompts)(_stored_events_of)
+        _prompt_blocks = functools.lru_cache(maxsize=max_prompts)(_blocks_of)
+    else:
+        _stored_events, _prompt_blocks = _stored_events_of, _blocks_of
+
+
 class _ReuseNode:
     """A published full block: its token content (within its parent's chain) and its block id.
 
@@ -116,7 +156,7 @@ class _ReuseNode:
         self.block_id = block_id
         self.parent = parent
         self.children: dict[int, _ReuseNode] = {}
-        self.digest = b""
+        self.digest: int | None = None  # its block hash (scheduler/block_hash.py), when events are recorded
 
 
 class _PrefixWalk:
@@ -186,7 +226,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _new_block_key(request: LlmRequest, digests: list[int], matched: list[_ReuseNode]) -> tuple | None:
+def _new_block_key(request: LlmRequest, digests: tuple[int, ...], matched: list[_ReuseNode]) -> tuple | None:
     """`find_new_context_block`'s key from the request's digests and its matched path."""
     if len(matched) == len(digests):
         return None
@@ -219,9 +259,6 @@ class BlockManager:
         self._max_token_num = config.max_token_num
         self._max_attention_window = config.max_attention_window
         self._sink_token_len = config.sink_token_len
-        # A full block's tokens as scheduler/block_hash.py packs them, compiled once (every
-        # published block is packed and hashed: hundreds per request).
-        self._pack_block = block_packer(config.tokens_per_block)
 
     # --- queries ------------------------------------------------------------------------------
     @property
@@ -267,7 +304,7 @@ class BlockManager:
 
     def cached_block_hashes(self) -> list[int]:
         """Hashes of every published block (for a full resync of the router's index)."""
-        return [int.from_bytes(node.digest, "little") for node in self._node_of_block.values() if node.digest]
+        return [node.digest for node in self._node_of_block.values() if node.digest is not None]
 
     # --- block pool ---------------------------------------------------------------------------
     def _allocate_fresh(self) -> int:
@@ -304,10 +341,8 @@ class BlockManager:
                     self._free.append(current.block_id)
                 elif self._ref[current.block_id] == 0 and current.block_id != taken:
                     self._free.append(current.block_id)
-                if self.config.record_events and current.digest:
-                    self._events.append(
-                        PrefixEvent(PrefixEventKind.REMOVED, int.from_bytes(current.digest, "little"))
-                    )
+                if self.config.record_events and current.digest is not None:
+                    self._events.append(PrefixEvent(PrefixEventKind.REMOVED, current.digest))
 
     def _acquire_cached(self, block: int) -> None:
         if self._ref[block] == 0:
@@ -326,28 +361,21 @@ class BlockManager:
                 self._free.append(block)
 
     # --- prefix tree walks --------------------------------------------------------------------
-    def _keys(self, request: LlmRequest) -> list[tuple[int, ...]]:
+    def _keys(self, request: LlmRequest) -> tuple[tuple[int, ...], ...]:
         keys = request.block_keys
         if keys is None:
             tpb = self.tokens_per_block
             prompt_len = request.prompt_len
-            # The prompt's full blocks as tuples: zip over one iterator `tpb` times takes the
-            # tokens tpb at a time (without a slice and a tuple per block).
-            tokens = iter(request.tokens[0][: prompt_len - prompt_len % tpb])
-            keys = list(zip(*([tokens] * tpb), strict=True))
+            keys, request.block_digests = _prompt_blocks(tuple(request.tokens[0][: prompt_len - prompt_len % tpb]), tpb)
             request.block_keys = keys
-            request.block_digests = None
         return keys
 
-    def _digests(self, request: LlmRequest) -> list[int]:
+    def _digests(self, request: LlmRequest) -> tuple[int, ...]:
         digests = request.block_digests
         if digests is None:
-            digests = []
-            chain = 0
-            for key in self._keys(request):
-                chain = hash((chain, key))  # deterministic for ints; only ever used in-process
-                digests.append(chain)
-            request.block_digests = digests
+            request.block_keys = None  # (they are taken together)
+            self._keys(request)
+            digests = request.block_digests
         return digests
 
     def _matched(self, request: LlmRequest) -> list[_ReuseNode]:
@@ -509,6 +537,18 @@ class BlockManager:
                 blocks.append(self._allocate_fresh())
         sequence.num_tokens += 1
 
+    def add_token_to_each(self, requests: Iterable[LlmRequest]) -> None:
+        """`add_token` for each request's sequence, in order (a decode step's batch, in one call)."""
+        sequences, tpb = self._sequences, self.tokens_per_block
+        for request in requests:
+            sequence = sequences.get(request.request_id)
+            if sequence is None:
+                raise BlockAccountingError(f"no KV sequence for request {request.request_id!r}")
+            if sequence.num_tokens % tpb == 0:
+                for blocks in sequence.beam_blocks:
+                    blocks.append(self._allocate_fresh())
+            sequence.num_tokens += 1
+
     def store_context_blocks(self, request: LlmRequest) -> int:
         """Publish the first floor((P-1)/tpb) full prompt blocks; returns how many became new nodes."""
         if not self.enable_block_reuse:
@@ -522,14 +562,14 @@ class BlockManager:
         root = self._roots.get(lora)
         if root is None:
             root = _ReuseNode(None, 0, -1, None)
-            root.digest = hashlib.blake2b(_ROOT + _lora_bytes(lora), digest_size=BLOCK_HASH_BYTES).digest()
             self._roots[lora] = root
             self._walk_epoch += 1  # a walk of this task that found no root is stale now
         parent = root
         created = 0
         node_of_block = self._node_of_block
         record_events = self.config.record_events
-        pack, blake2b, events, stored = self._pack_block, hashlib.blake2b, self._events, PrefixEventKind.STORED
+        events = self._events
+        chain = stored_events = None  # the prompt's block hashes and events, taken when a first block is published
         for index in range(count):
             key = keys[index]
             digest = digests[index]
@@ -547,8 +587,12 @@ class BlockManager:
                 node_of_block[block] = node
                 created += 1
                 if record_events:
-                    node.digest = blake2b(parent.digest + pack(*key), digest_size=BLOCK_HASH_BYTES).digest()
-                    events.append(PrefixEvent(stored, int.from_bytes(node.digest, "little")))
+                    if chain is None:
+                        # The chain of the request's own prompt: a node's parents are its blocks.
+                        chain = prompt_chain(tuple(request.tokens[0][: request.prompt_len]), self.tokens_per_block, lora)
+                        stored_events = _stored_events(chain)
+                    node.digest = chain[index]
+                    events.append(stored_events[index])
             parent = node
         return created
 

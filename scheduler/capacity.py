@@ -263,7 +263,14 @@ class GuaranteedNoEvictScheduler(CapacityScheduler):
                 # Reserved for KV still in flight: not scheduled this step, but it generates the
                 # moment the KV commits, so the rest of its run is claimed now. Otherwise later
                 # reservations take the blocks its decode needs and a step runs out of blocks.
-                available -= remaining(request)
+                sequence = request.kv_sequence
+                if fast and request.is_plain and sequence is not None and sequence.total_blocks_per_beam and not sequence.released:
+                    # Its reservation holds the prompt's blocks: the simple form, as for a plain
+                    # generating request (a generation instance walks many such every step).
+                    request.estimated_reusable_tokens = 0
+                    available -= sequence.total_blocks_per_beam - len(sequence.beam_blocks[0])
+                else:
+                    available -= remaining(request)
                 continue
             if not (until <= state < after) and state is not _GEN_INIT:
                 continue

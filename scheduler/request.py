@@ -115,7 +115,7 @@ class LlmRequest:
         self.num_pauses = 0
         # Cached (lora, tuple-of-block-tokens) keys of the prompt's full blocks, filled lazily by the
         # block manager; reset whenever the prompt changes (pause).
-        self.block_keys: list[tuple[int, ...]] | None = None
+        self.block_keys: tuple[tuple[int, ...], ...] | None = None
         # No LoRA task and one beam: the schedulers' hot paths handle such requests inline.
         self.is_plain = lora_task_id is None and beam_width == 1
         # The self-attention KV sequence while it has one (set and cleared by the block manager;
@@ -123,7 +123,7 @@ class LlmRequest:
         self.kv_sequence = None
         # Per-block chain hashes of block_keys (dict keys of the reuse tree; cheap to hash), and
         # the block manager's last walk of its tree for this prompt (block_manager._PrefixWalk).
-        self.block_digests: list[int] | None = None
+        self.block_digests: tuple[int, ...] | None = None
         self.prefix_walk = None
         if context_chunk_size is not None:
             self.set_context_chunk_size(context_chunk_size)

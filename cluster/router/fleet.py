@@ -161,12 +161,14 @@ class Fleet:
 
     # --- placement (FleetView) ------------------------------------------------------------------------
     def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
-        return self._placer.place(request, self._candidates_excluding(exclude), self.prefix.overlap(request.block_hashes))
+        candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
+        return self._placer.place(request, candidates, self.prefix.overlap(request.block_hashes), in_id_order=True)
 
     def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
         """A generation instance for the request's generation hop alone; raises NoInstanceAvailable."""
-        candidates = self._candidates_excluding(exclude)
-        return self._placer.choose_generation(request, candidates, self.prefix.overlap(request.block_hashes)).instance_id
+        candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
+        overlap = self.prefix.overlap(request.block_hashes)
+        return self._placer.choose_generation(request, candidates, overlap, in_id_order=True).instance_id
 
     def _candidates_excluding(self, exclude: frozenset[str]) -> Sequence[Candidate]:
         candidates = [m.candidate or self._refresh(m) for m in self._in_id_order]

@@ -83,6 +83,11 @@ class InstanceHealth(Enum):
     DRAINING = "draining"
 
 
+def _freeness(load: EngineLoad) -> float:
+    """Llumnix freeness (LeastLoaded's score): free blocks net of the queued prompts' per running request."""
+    return (load.free_blocks - -(-load.queued_prompt_tokens // load.tokens_per_block)) / max(1, load.running_requests)
+
+
 @dataclass(frozen=True)
 class Candidate:
     """An instance as placement sees it: its latest snapshot and its health."""
@@ -92,10 +97,13 @@ class Candidate:
     # Copied out of the snapshot once: every decision reads them for every candidate.
     instance_id: str = field(init=False, repr=False, compare=False)
     load: EngineLoad = field(init=False, repr=False, compare=False)
+    # Worked out once per snapshot, not once per decision (a snapshot serves many decisions).
+    freeness: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instance_id", self.snapshot.instance_id)
         object.__setattr__(self, "load", self.snapshot.load)
+        object.__setattr__(self, "freeness", _freeness(self.snapshot.load))
 
 
 @dataclass(frozen=True)
@@ -270,7 +278,7 @@ class LeastLoaded(_Chooser):
 
     @staticmethod
     def freeness(load: EngineLoad) -> float:
-        return (load.free_blocks - load.queued_prompt_blocks) / max(1, load.running_requests)
+        return _freeness(load)
 
     def choose_eligible(
         self, request: PlacementRequest, eligible: list[Candidate], overlap_blocks: Mapping[str, int]
@@ -278,11 +286,7 @@ class LeastLoaded(_Chooser):
         scores = {}
         best, best_score = eligible[0], -math.inf
         for candidate in eligible:  # in id order: the first of equal scores wins
-            load = candidate.load
-            # freeness(load), inline: this loop runs over every generation instance per request.
-            score = scores[candidate.instance_id] = (
-                load.free_blocks - -(-load.queued_prompt_tokens // load.tokens_per_block)
-            ) / max(1, load.running_requests)
+            score = scores[candidate.instance_id] = candidate.freeness
             if score > best_score:
                 best, best_score = candidate, score
         return Placement(best.instance_id, self.name, _scores(scores))
@@ -459,6 +463,7 @@ class PlacementPlan:
 
 # The roles that run generation hops (and colocated requests).
 GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
+_GENERATION, _MIXED = InstanceRole.GENERATION, InstanceRole.MIXED
 
 
 class Placer:
@@ -472,16 +477,24 @@ class Placer:
         self._disagg = ConditionalDisagg(config.disaggregation, config.conditional)
 
     def choose_generation(
-        self, request: PlacementRequest, candidates: Sequence[Candidate], overlap_blocks: Mapping[str, int]
+        self,
+        request: PlacementRequest,
+        candidates: Sequence[Candidate],
+        overlap_blocks: Mapping[str, int],
+        *,
+        in_id_order: bool = False,
     ) -> Placement:
-        """The generation hop alone (a hand-over's target, a local recompute): no prefill needed."""
+        """The generation hop alone (a hand-over's target, a local recompute): no prefill needed.
+        `in_id_order`: as for `place`."""
         _check_overlap(overlap_blocks)
-        return self._choose_generation(request, _in_id_order(candidates), overlap_blocks)[0]
+        return self._choose_generation(request, candidates if in_id_order else _in_id_order(candidates), overlap_blocks)[0]
 
     def _choose_generation(
         self, request: PlacementRequest, ordered: Sequence[Candidate], overlap_blocks: Mapping[str, int]
     ) -> tuple[Placement, list[Candidate]]:
-        generation_pool = [c for c in ordered if c.load.role in GENERATION_ROLES]
+        # Roles by identity, not `in GENERATION_ROLES`: an Enum hashes in Python, and this runs over
+        # every instance per request.
+        generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
         healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
         if not healthy_generation:
             raise NoInstanceAvailable(
@@ -495,9 +508,14 @@ class Placer:
         request: PlacementRequest,
         candidates: Sequence[Candidate],
         overlap_blocks: Mapping[str, int],
+        *,
+        in_id_order: bool = False,
     ) -> PlacementPlan:
+        """Both hops. `in_id_order`: the caller vouches that the candidates are Candidates, each
+        instance once, in instance-id order (the fleet keeps its members so), and they are not
+        checked again (a pass over every instance per request)."""
         # Checked and ordered once for both hops; the policies take the healthy ones from here.
-        ordered = _in_id_order(candidates)
+        ordered = candidates if in_id_order else _in_id_order(candidates)
         _check_overlap(overlap_blocks)
         generation, healthy_generation = self._choose_generation(request, ordered, overlap_blocks)
         generation_snapshot = next(c.snapshot for c in healthy_generation if c.instance_id == generation.instance_id)

@@ -71,12 +71,13 @@ BLOCKS_PER_CHUNK = 4  # transfer chunks a fault plan's chunk rules count (worker
 _transfer_ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(slots=True)  # its fields are read for every token of every request
 class _Request:
     submit: SubmitRequest
     llm: LlmRequest
     seed: int
     num_outputs: int  # output tokens so far, including those produced elsewhere
+    max_tokens: int  # its sampling parameters' (read for every token)
     num_cached_tokens: int = 0
     transfer_id: str | None = None  # generation side: its reservation
     reserved: bool = False
@@ -283,7 +284,7 @@ class SimInstance:
         refusal = kv_pool_refusal(self.blocks, llm)
         if refusal is not None:  # as worker/engine.py add_request refuses it
             raise InstanceRejected("sampling_params.max_tokens", refusal)
-        self._requests[rid] = _Request(request, llm, params.seed or 0, produced)
+        self._requests[rid] = _Request(request, llm, params.seed or 0, produced, params.max_tokens)
         self._active.append(llm)
         self._event(rid, state, "submitted")
         self._kick()
@@ -455,26 +456,10 @@ class SimInstance:
         self._event(request.submit.request_id, state, detail)
 
     def _output(self, request: _Request, tokens: tuple[int, ...], **fields: object) -> None:
-        rid = request.submit.request_id
-        interval = self.stream_interval_s
-        if interval and not fields:
-            held = self._merge.get(rid)
-            if held is not None:  # merge into the held output of this request
-                held.tokens.extend(tokens)
-                held.num_output_tokens = request.num_outputs
-            else:
-                self._merge[rid] = held = _HeldTokens(
-                    rid, self._now(), list(tokens), len(request.submit.prompt_token_ids), request.num_outputs,
-                    request.num_cached_tokens,
-                )
-                self._outputs.append(held)
-            self._added_since_poll = True
-            if rid not in self._merged_since_poll:
-                self._merged_since_poll.add(rid)
-                if self._flush_at is None:
-                    self._flush_at = self._now() + interval
-                    self._at(self._flush_at, self._flush)
+        if self.stream_interval_s and not fields:
+            self._hold(request, tokens)
             return
+        rid = request.submit.request_id
         self._urgent = True
         self._added_since_poll = True
         self._outputs.append(
@@ -486,6 +471,26 @@ class SimInstance:
                 **fields,
             )
         )
+
+    def _hold(self, request: _Request, tokens: tuple[int, ...]) -> None:
+        """`_output` of plain tokens with a stream interval: held, merged into the request's held output."""
+        rid = request.submit.request_id
+        held = self._merge.get(rid)
+        if held is not None:  # merge into the held output of this request
+            held.tokens.extend(tokens)
+            held.num_output_tokens = request.num_outputs
+        else:
+            self._merge[rid] = held = _HeldTokens(
+                rid, self._now(), list(tokens), len(request.submit.prompt_token_ids), request.num_outputs,
+                request.num_cached_tokens,
+            )
+            self._outputs.append(held)
+        self._added_since_poll = True
+        if rid not in self._merged_since_poll:
+            self._merged_since_poll.add(rid)
+            if self._flush_at is None:
+                self._flush_at = self._now() + self.stream_interval_s
+                self._at(self._flush_at, self._flush)
 
     # --- the step loop (worker/engine.py Engine.step, forward pass replaced by model time) ------------------
     def _kick(self) -> None:
@@ -519,11 +524,12 @@ class SimInstance:
             chunk = llm.context_chunk_size
             context_tokens += chunk
             pairs += context_pairs(llm.context_current_position, chunk)
+        trans_complete = S.DISAGG_GENERATION_TRANS_COMPLETE
         for llm in schedule.generation:
-            if llm.state is S.DISAGG_GENERATION_TRANS_COMPLETE:
+            if llm.state is trans_complete:
                 self._set_state(self._requests[llm.request_id], S.GENERATION_IN_PROGRESS)
-            self.blocks.add_token(llm.request_id)
-            decode_context += llm.num_tokens(0)
+            decode_context += len(llm.tokens[0])
+        self.blocks.add_token_to_each(schedule.generation)
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
         if self.profile.step_time_ratios:
             step_s *= self.profile.step_factor(self._rng.random())
@@ -560,11 +566,12 @@ class SimInstance:
             finishing_context = state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS
             if finishing_context and reuse:
                 self.blocks.store_context_blocks(llm)
-            token = instant_token(request.seed, request.num_outputs, vocab)
+            num_outputs = request.num_outputs
+            token = instant_token(request.seed, num_outputs, vocab)
             tokens = llm.tokens[0]
             tokens.append(token)  # llm.add_new_token(token)
-            request.num_outputs += 1
-            if request.num_outputs >= request.submit.sampling_params.max_tokens or len(tokens) >= max_seq_len:
+            request.num_outputs = num_outputs = num_outputs + 1
+            if num_outputs >= request.max_tokens or len(tokens) >= max_seq_len:
                 self._finish(request, S.GENERATION_COMPLETE, token, FinishReason.LENGTH)
                 done.add(llm.request_id)
                 continue
@@ -580,10 +587,13 @@ class SimInstance:
                 continue
             if finishing_context:
                 self._set_state(request, S.GENERATION_IN_PROGRESS)
-            elif merge is not None and rid in merged_since_poll:  # as _output merges it
-                held = merge[rid]
-                held.tokens.append(token)
-                held.num_output_tokens = request.num_outputs
+            elif merge is not None:
+                if rid in merged_since_poll:  # as _hold merges it
+                    held = merge[rid]
+                    held.tokens.append(token)
+                    held.num_output_tokens = num_outputs
+                else:
+                    self._hold(request, (token,))
                 continue
             self._output(request, (token,))
         if done:

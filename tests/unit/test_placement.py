@@ -418,3 +418,21 @@ def test_placer_only_ever_chooses_healthy_instances_of_the_right_role(specs, pol
     assert set(plan.generation.scores) == {
         i for i, role in healthy.items() if role is not InstanceRole.PREFILL
     }
+
+
+def test_candidates_vouched_in_id_order_place_as_checked_ones():
+    """The fleet passes its members in id order and placement skips its check: same plans, same scores."""
+    config = PlacementConfig(prefill_policy=KvAwareParams(), generation_policy=LeastLoadedParams())
+    ordered = sorted(cluster() + [cand("g2", free=800, running=2, queued_tokens=TPB + 1)], key=lambda c: c.instance_id)
+    for overlap in ({}, {"p0": 10}, {"p1": 3, "g1": 9}):
+        checked = Placer(config).place(request(), ordered, overlap)
+        vouched = Placer(config).place(request(), ordered, overlap, in_id_order=True)
+        assert vouched == checked
+        assert dict(vouched.generation.scores) == dict(checked.generation.scores)
+        assert Placer(config).choose_generation(request(), ordered, overlap, in_id_order=True) == checked.generation
+
+
+def test_candidate_freeness_is_least_loaded_freeness_of_its_load():
+    for candidate in cluster() + [cand("q", free=10, running=1, queued_tokens=17 * TPB + 1)]:
+        assert candidate.freeness == LeastLoaded.freeness(candidate.load)
+        assert candidate.freeness == (candidate.load.free_blocks - candidate.load.queued_prompt_blocks) / max(1, candidate.load.running_requests)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 
+from scheduler import block_manager
 from scheduler.block_hash import block_hash_chain
-from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind
+from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind, memoise_prompts
 from scheduler.capacity import MaxUtilizationScheduler
 from scheduler.chunking import chunk_contexts
 from scheduler.config import (
@@ -15,7 +19,7 @@ from scheduler.config import (
     ReorderPolicy,
     SchedulerConfig,
 )
-from scheduler.errors import IllegalStateTransition, InvalidFieldError, OutOfBlocksError
+from scheduler.errors import BlockAccountingError, IllegalStateTransition, InvalidFieldError, OutOfBlocksError
 from scheduler.ordering import insert_by_priority, priority_order
 from scheduler.request import LlmRequest
 from scheduler.scheduler import TwoLevelScheduler
@@ -239,6 +243,63 @@ def test_priority_reorder_changes_admission() -> None:
 
 
 # --- block manager -----------------------------------------------------------------------------
+def _chain_block_by_block(tokens: list[int], tpb: int, lora: int | None) -> list[int]:
+    """The chain as scheduler/block_hash.py defines it, computed here without its memo."""
+    parent = hashlib.blake2b(b"duet-block-v1" + (b"none" if lora is None else struct.pack("<q", lora)), digest_size=8).digest()
+    hashes = []
+    for start in range(0, len(tokens) - len(tokens) % tpb, tpb):
+        parent = hashlib.blake2b(parent + struct.pack(f"<{tpb}q", *tokens[start : start + tpb]), digest_size=8).digest()
+        hashes.append(int.from_bytes(parent, "little"))
+    return hashes
+
+
+@pytest.fixture
+def prompt_memo():
+    """Prompts memoised as the simulator keeps them (a fresh memo), none again afterwards."""
+    memoise_prompts(64)
+    yield
+    memoise_prompts(0)
+
+
+@pytest.mark.parametrize("memoised", [False, True])
+def test_prompt_chain_is_the_block_by_block_chain(memoised: bool) -> None:
+    memoise_prompts(64 if memoised else 0)
+    try:
+        prompt = list(range(100, 139))
+        for lora in (None, 3):
+            expected = _chain_block_by_block(prompt, 4, lora)
+            assert block_hash_chain(prompt, 4, lora) == expected  # first: computed
+            assert block_hash_chain(tuple(prompt), 4, lora) == expected  # then: from the memo, if kept
+            assert block_hash_chain(prompt[:17], 4, lora) == expected[:4]  # another prompt, its own entry
+        assert block_hash_chain(prompt, 4) != block_hash_chain(prompt, 4, 3)
+    finally:
+        memoise_prompts(0)
+
+
+def test_published_blocks_carry_the_chain_of_their_prompt_memoised_or_not() -> None:
+    """A block manager's events name the blocks it publishes by the prompt's chain, whether another
+    user of the memo (the router) hashed that prompt first or not."""
+    prompt = list(range(200, 229))
+    expected = _chain_block_by_block(prompt, 4, None)
+    for hashed_first, memo_size in ((False, 0), (False, 64), (True, 64)):
+        memoise_prompts(memo_size)
+        if hashed_first:
+            block_hash_chain(tuple(prompt), 4)
+        kv = BlockManager(
+            BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True, record_events=True)
+        )
+        shared = LlmRequest(1, prompt[:12], 4)
+        kv.add_sequence(shared)
+        kv.store_context_blocks(shared)
+        longer = LlmRequest(2, prompt, 4)
+        kv.add_sequence(longer)
+        kv.store_context_blocks(longer)  # publishes only the blocks after the shared ones
+        stored = [e.block_hash for e in kv.drain_events()]
+        assert stored == expected[:2] + expected[2:7]
+        assert sorted(kv.cached_block_hashes()) == sorted(expected[:7])
+    memoise_prompts(0)
+
+
 def test_prefix_reuse_events_use_the_shared_block_hashes() -> None:
     kv = BlockManager(
         BlockManagerConfig(tokens_per_block=4, num_blocks=16, max_attention_window=64, enable_block_reuse=True, record_events=True)
@@ -441,3 +502,74 @@ def test_blocks_at_completion_is_what_a_fresh_request_still_needs(prompt_len, ma
     )
     request = LlmRequest("r", list(range(1, prompt_len + 1)), max_new, beam_width=beam_width)
     assert kv.blocks_at_completion(request) == kv.remaining_blocks_to_completion(request)
+
+
+def test_add_token_to_each_is_add_token_for_each_in_order() -> None:
+    """The batched decode-step growth allocates the same blocks, in the same order, as one call per request."""
+    managers = [BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=64, max_attention_window=64)) for _ in range(2)]
+    batches = []
+    for kv in managers:
+        requests = [LlmRequest(i, [1] * (3 + i), 16) for i in range(4)]
+        for request in requests:
+            kv.add_sequence(request)
+        batches.append(requests)
+    for _ in range(9):
+        for request in batches[0]:
+            managers[0].add_token(request.request_id)
+        managers[1].add_token_to_each(batches[1])
+    for request_id in range(4):
+        assert managers[0].block_ids(request_id) == managers[1].block_ids(request_id)
+        assert managers[0].num_sequence_tokens(request_id) == managers[1].num_sequence_tokens(request_id)
+    with pytest.raises(BlockAccountingError):
+        managers[1].add_token_to_each([LlmRequest("unknown", [1], 1)])
+
+
+def test_receiving_requests_claim_the_same_blocks_on_the_hot_path() -> None:
+    """GUARANTEED_NO_EVICT claims the rest of a receiving request's run (its KV in flight) inline for
+    plain requests: the same admissions as the general formula, at every pool size around the edge."""
+    from scheduler.capacity import CapacityScheduler, GuaranteedNoEvictScheduler
+
+    for num_blocks in range(12, 40):
+        outcomes = []
+        for hot in (True, False):
+            kv = BlockManager(
+                BlockManagerConfig(tokens_per_block=4, num_blocks=num_blocks, max_attention_window=256, enable_block_reuse=True)
+            )
+            receiving = [LlmRequest(f"g{i}", [7, i] * (3 + i), 5 + 3 * i, state=S.DISAGG_GENERATION_INIT) for i in range(3)]
+            for request in receiving:
+                kv.add_sequence(request, reuse=False)
+                request.set_state(S.DISAGG_GENERATION_TRANS_IN_PROGRESS)
+            waiting = [LlmRequest(f"c{i}", [3, i, 1] * (2 + i), 4) for i in range(3)]
+            CapacityScheduler.use_hot_paths = hot
+            try:
+                output = GuaranteedNoEvictScheduler(8, kv).schedule(receiving + waiting)
+            finally:
+                CapacityScheduler.use_hot_paths = True
+            outcomes.append(([r.request_id for r in output.fitting], [r.estimated_reusable_tokens for r in receiving]))
+        assert outcomes[0] == outcomes[1], num_blocks
+
+
+def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain(prompt_memo) -> None:
+    """The reuse tree's keys and in-process chain hashes of a prompt, shared between the managers that
+    cut it (memoised), equal those cut block by block; a pause (a longer prompt) gets its own."""
+    prompt = list(range(50, 89))  # 9 full blocks of 4 and 3 tokens
+    expected_keys = [tuple(prompt[i : i + 4]) for i in range(0, 36, 4)]
+    expected_digests, chain = [], 0
+    for key in expected_keys:
+        chain = hash((chain, key))
+        expected_digests.append(chain)
+    managers = [
+        BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True, record_events=True))
+        for _ in range(2)
+    ]
+    published = []
+    for kv in managers:
+        request = LlmRequest("r", prompt, 4)
+        kv.add_sequence(request)
+        kv.store_context_blocks(request)
+        assert list(kv._keys(request)) == expected_keys and list(kv._digests(request)) == expected_digests
+        published.append(kv.drain_events())
+    assert published[0] == published[1] and [e.block_hash for e in published[0]] == block_hash_chain(prompt, 4)[:9]
+    assert block_manager._prompt_blocks.cache_info().hits >= 1
+    longer = LlmRequest("s", prompt + [1, 2, 3, 4, 5], 4)
+    assert list(managers[0]._keys(longer)) == expected_keys + [(86, 87, 88, 1), (2, 3, 4, 5)]
