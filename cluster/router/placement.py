@@ -461,6 +461,15 @@ class PlacementPlan:
         return self.context.fallback
 
 
+def _able_to_hold(candidates: list[Candidate], tokens: int) -> list[Candidate]:
+    """The candidates whose whole KV pool can hold a sequence of `tokens` (an instance refuses a
+    request it never could, worker/engine_types.py kv_pool_refusal), so that with pools of different
+    sizes a long request goes where it fits instead of being refused by the least loaded instance;
+    all of them when none can (the chosen one then refuses it, naming its pool's size)."""
+    able = [c for c in candidates if c.load.total_blocks * c.load.tokens_per_block >= tokens]
+    return able if able and len(able) < len(candidates) else candidates
+
+
 # The roles that run generation hops (and colocated requests).
 GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
 _GENERATION, _MIXED = InstanceRole.GENERATION, InstanceRole.MIXED
@@ -501,7 +510,8 @@ class Placer:
                 "generation",
                 f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
             )
-        return self._generation_policy.choose_eligible(request, healthy_generation, overlap_blocks), healthy_generation
+        eligible = _able_to_hold(healthy_generation, request.prompt_tokens + request.expected_decode_tokens)
+        return self._generation_policy.choose_eligible(request, eligible, overlap_blocks), healthy_generation
 
     def place(
         self,
@@ -528,7 +538,9 @@ class Placer:
         prefill_pool = [c for c in ordered if c.load.role is InstanceRole.PREFILL]
         healthy_prefill = [c for c in prefill_pool if c.health is InstanceHealth.HEALTHY]
         if healthy_prefill:
-            context = self._prefill_policy.choose_eligible(request, healthy_prefill, overlap_blocks)
+            # A prefill hop holds the prompt and its first token (worker/engine_types.py hop_max_new_tokens).
+            eligible = _able_to_hold(healthy_prefill, request.prompt_tokens + 1)
+            context = self._prefill_policy.choose_eligible(request, eligible, overlap_blocks)
             return PlacementPlan(request.request_id, Route.DISAGGREGATED, context, generation, decision)
 
         reason = f"{len(prefill_pool)} PREFILL instance(s) registered, none healthy"

@@ -436,3 +436,28 @@ def test_candidate_freeness_is_least_loaded_freeness_of_its_load():
     for candidate in cluster() + [cand("q", free=10, running=1, queued_tokens=17 * TPB + 1)]:
         assert candidate.freeness == LeastLoaded.freeness(candidate.load)
         assert candidate.freeness == (candidate.load.free_blocks - candidate.load.queued_prompt_blocks) / max(1, candidate.load.running_requests)
+
+
+def test_a_request_goes_to_an_instance_whose_kv_pool_can_hold_it_when_pools_differ():
+    """With pools of different sizes, the least loaded instance may be one that could never hold a long
+    request (it would refuse it at submission): placement passes over it. When no pool can hold it,
+    the policy chooses as before, and that instance's refusal names its pool."""
+    small = dict(total=64, free=64)  # 1,024 tokens
+    config = PlacementConfig(prefill_policy=LeastLoadedParams(), generation_policy=LeastLoadedParams())
+    pool = [
+        cand("g-big", total=256, free=40),
+        cand("g-small", **small),
+        cand("p-big", InstanceRole.PREFILL, total=256, free=40),
+        cand("p-small", InstanceRole.PREFILL, **small),
+    ]
+    placer = Placer(config)
+    short = placer.place(request(prompt_tokens=320, decode_tokens=64), pool, {})
+    assert (short.context.instance_id, short.generation.instance_id) == ("p-small", "g-small")  # freer: chosen
+    long = placer.place(request(prompt_tokens=1000, decode_tokens=200), pool, {})
+    assert long.generation.instance_id == "g-big"  # 1,200 tokens: only the big pool holds them
+    assert long.context.instance_id == "p-small"  # a prefill hop holds 1,001 tokens: the small pool does
+    longer = placer.place(request(prompt_tokens=1100, decode_tokens=8), pool, {})
+    assert (longer.context.instance_id, longer.generation.instance_id) == ("p-big", "g-big")
+    assert placer.choose_generation(request(prompt_tokens=1000, decode_tokens=200), pool, {}).instance_id == "g-big"
+    beyond = placer.place(request(prompt_tokens=5000, decode_tokens=1), pool, {})  # no pool holds it
+    assert beyond.generation.instance_id == "g-small" and set(beyond.generation.scores) == {"g-big", "g-small"}
