@@ -188,7 +188,7 @@ class Engine:
             vocab_size=self.vocab_size,
         )
         self._pending_outputs: list[RequestOutput] = []
-        # Prompts to publish to the prefix cache after their step's outputs (publish_prefixes).
+        # Received prompts to publish to the prefix cache after their next token (publish_prefixes).
         self._unpublished: list[LlmRequest] = []
         self._events: list[StateEvent] = []
         self._ready_pushes: list[tuple[object, EngineTransferSource | None]] = []
@@ -252,11 +252,11 @@ class Engine:
         return bool(self._requests) or bool(self._pending_outputs) or self.handover.has_mail()
 
     def publish_prefixes(self) -> bool:
-        """Publish to the prefix cache the prompts whose publication waited for their step's outputs
-        (a prefill hop's at its first token, a received KV's at commit): the instance calls it once
-        it has handed the step's outputs and pushes out, and every step starts with it, so no prompt
-        waits longer than one step and every scheduling decision sees what it saw before. A request
-        ended meanwhile (aborted) is not published. Whether anything was."""
+        """Publish to the prefix cache the received prompts whose publication waited (a received
+        KV's, from its commit until its next token is out): the instance calls it once it has handed
+        the step's outputs out, and every step starts with it, so no prompt waits longer than one
+        step and every scheduling decision sees what it saw before. A request ended meanwhile
+        (aborted) is not published. Whether anything was."""
         if not self._unpublished:
             return False
         waiting, self._unpublished = self._unpublished, []

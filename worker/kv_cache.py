@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 KvBytes = bytes | bytearray | memoryview
 
 
-# import_blocks copies block runs one by one when the ids fall in at most this many runs of
-# consecutive ids (freshly reserved blocks mostly do), else one indexed assignment.
-MAX_IMPORT_RUNS = 4
+# A range whose blocks fall in at most this many runs of consecutive ids (freshly allocated blocks
+# mostly do) is read and written through views of the cache, one per layer, K or V and run
+# (run_views); beyond it, each view is a small copy call and one indexed gather or scatter is cheaper.
+MAX_VIEW_RUNS = 4
 
 
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
@@ -132,11 +133,24 @@ class PagedKvCache:
             self._byte_array = self._kv.view(torch.uint8).numpy()
         return self._byte_array
 
-    def check_range(self, layer_start: int, layer_end: int, block_ids: Sequence[int]) -> None:
-        """Raise KvCacheError unless the layers and block ids name a range of this cache (what an
-        export checks, for callers that read the cache's own views)."""
+    def run_views(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> list[np.ndarray] | None:
+        """The range as views of the cache's own bytes, in `export_blocks`' order ([layers, 2,
+        blocks, ...]: one contiguous view per layer, K or V and run of consecutive block ids), or None
+        when the cache is off the CPU or the ids fall in more than MAX_VIEW_RUNS runs. Checked as an
+        export is; a view stays valid as long as the cache (what it shows is the blocks' current
+        contents)."""
         self._block_index(block_ids, unique=False)
         self._check_layers(layer_start, layer_end)
+        runs = block_runs(block_ids)
+        if self.device.type != "cpu" or len(runs) > MAX_VIEW_RUNS:
+            return None
+        cache = self.byte_array()  # bytes, so that bf16 needs no numpy dtype; numpy slices are cheap
+        return [
+            cache[layer, side, start:end].reshape(-1)
+            for layer in range(layer_start, layer_end)
+            for side in (0, 1)
+            for start, end in runs
+        ]
 
     def export_uint8(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
         """The same bytes as a flat uint8 CPU tensor: `.numpy()` gives them without dtype conversion (bf16 too)."""
@@ -155,12 +169,19 @@ class PagedKvCache:
         """Write a run exported by a compatible cache into `block_ids` (distinct ids) of layers [start, end)."""
         index = self._block_index(block_ids, unique=True)
         self._check_layers(layer_start, layer_end)
-        if self.device.type == "cpu" and not isinstance(data, torch.Tensor):
-            runs = block_runs(index.tolist())
-            if len(runs) <= MAX_IMPORT_RUNS:
-                self._import_runs(runs, layer_start, layer_end, data)
-                self.note_written(index)
-                return
+        views = None if isinstance(data, torch.Tensor) else self.run_views(index.tolist(), layer_start, layer_end)
+        if views is not None:
+            # A copy per view (torch's indexed assignment costs more than the bytes at these sizes).
+            source = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+            expected_bytes = self.run_bytes(len(block_ids), layer_start, layer_end)
+            if source.nbytes != expected_bytes:
+                raise KvCacheError(f"data is {source.nbytes} bytes, the run needs exactly {expected_bytes}")
+            offset = 0
+            for view in views:
+                view[:] = source[offset : offset + view.nbytes]
+                offset += view.nbytes
+            self.note_written(index)
+            return
         shape = (
             layer_end - layer_start,
             2,
@@ -173,25 +194,6 @@ class PagedKvCache:
         source = self._as_cache_tensor(data, expected_bytes).view(shape)
         self._kv[layer_start:layer_end, :, index] = source.to(self.device, non_blocking=False)
         self.note_written(index.cpu())
-
-    def _import_runs(self, runs: list[tuple[int, int]], layer_start: int, layer_end: int, data: KvBytes) -> None:
-        """import_blocks on the CPU for block ids in a few runs of consecutive ids: one numpy copy per
-        layer, K or V and run (torch's indexed assignment costs more than the bytes at these sizes)."""
-        view = memoryview(data).cast("B")
-        num_blocks = sum(end - start for start, end in runs)
-        expected_bytes = self.run_bytes(num_blocks, layer_start, layer_end)
-        if view.nbytes != expected_bytes:
-            raise KvCacheError(f"data is {view.nbytes} bytes, the run needs exactly {expected_bytes}")
-        cache = self.byte_array()
-        block_bytes = cache[0, 0, 0].nbytes
-        source = np.frombuffer(view, dtype=np.uint8)
-        offset = 0
-        for layer in range(layer_start, layer_end):
-            for side in (0, 1):
-                for start, end in runs:
-                    size = (end - start) * block_bytes
-                    cache[layer, side, start:end].reshape(-1)[:] = source[offset : offset + size]
-                    offset += size
 
     def _as_cache_tensor(self, data: KvBytes | torch.Tensor, expected_bytes: int) -> torch.Tensor:
         if isinstance(data, torch.Tensor):

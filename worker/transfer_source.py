@@ -8,13 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from worker.kv_cache import PagedKvCache, block_runs
+from worker.kv_cache import PagedKvCache
 from worker.kv_layout import KvLayout
-
-# A range whose blocks fall in more runs of consecutive ids than this is gathered instead of handed
-# out in parts: each part is one copy call on the sender's side, and many small ones cost more than
-# one gather (a part is at least one block of one layer's K or V).
-MAX_PART_RUNS = 4
 
 
 class EngineTransferSource:
@@ -65,15 +60,7 @@ class EngineTransferSource:
         straight into its message or shared-memory segment, one copy of the bytes instead of two.
         Valid while the push runs (the engine pins the request's blocks until it returns, as for
         `read`). A cache off the CPU, or blocks in many runs, is gathered by `read` instead."""
-        runs = block_runs(self._block_ids[block_start:block_end])
-        if self._cache.device.type != "cpu" or len(runs) > MAX_PART_RUNS:
+        views = self._cache.run_views(self._block_ids[block_start:block_end], layer_start, layer_end)
+        if views is None:
             return (self.read(layer_start, layer_end, block_start, block_end),)
-        self._cache.check_range(layer_start, layer_end, self._block_ids[block_start:block_end])
-        cache = self._cache.byte_array()  # bytes, so that bf16 needs no numpy dtype; numpy slices are cheap
-        # A slice of whole blocks is contiguous.
-        return [
-            memoryview(cache[layer, side, start:end]).cast("B")
-            for layer in range(layer_start, layer_end)
-            for side in (0, 1)
-            for start, end in runs
-        ]
+        return [memoryview(view) for view in views]

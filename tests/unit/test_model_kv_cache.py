@@ -155,19 +155,20 @@ def test_import_by_runs_writes_what_the_indexed_import_writes(dtype, ids):
 
 
 def test_a_transfer_source_hands_out_views_of_the_cache_equal_to_its_gathered_read():
-    from worker.transfer_source import MAX_PART_RUNS, EngineTransferSource
+    from worker.kv_cache import MAX_VIEW_RUNS
+    from worker.transfer_source import EngineTransferSource
 
     layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype="bfloat16", model_fingerprint="m")
     cache = PagedKvCache(layout, 32)
     cache.tensor.copy_(torch.randn(cache.tensor.shape).to(cache.dtype))
-    for ids in ([4, 5, 6, 7, 8], [10, 11, 2, 3, 20], list(range(0, 2 * (MAX_PART_RUNS + 1), 2))):
+    for ids in ([4, 5, 6, 7, 8], [10, 11, 2, 3, 20], list(range(0, 2 * (MAX_VIEW_RUNS + 1), 2))):
         source = EngineTransferSource(cache, layout, ids)
         for layers, blocks in (((0, 3), (0, len(ids))), ((1, 2), (1, len(ids) - 1))):
             parts = source.read_parts(*layers, *blocks)
             assert b"".join(bytes(part) for part in parts) == bytes(source.read(*layers, *blocks))
-    # One view per layer, K or V and run of consecutive ids; past MAX_PART_RUNS runs, one gathered part.
+    # One view per layer, K or V and run of consecutive ids; past MAX_VIEW_RUNS runs, one gathered part.
     assert len(EngineTransferSource(cache, layout, [10, 11, 2, 3, 20]).read_parts(0, 3, 0, 5)) == 3 * 2 * 3
-    scattered = list(range(0, 2 * (MAX_PART_RUNS + 1), 2))
+    scattered = list(range(0, 2 * (MAX_VIEW_RUNS + 1), 2))
     assert len(EngineTransferSource(cache, layout, scattered).read_parts(0, 3, 0, len(scattered))) == 1
     # Views, not copies: they see the cache's bytes as they are (the engine pins them for a push).
     source = EngineTransferSource(cache, layout, [4, 5])
