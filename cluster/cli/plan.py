@@ -173,15 +173,13 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else Path("plan-results") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     life_s = request_life_s(slo, requests)
-    if args.duration is not None:
-        duration_s = args.duration
-    else:
-        duration_s = 5.0 if args.quick else probe_window_s(slo, requests)
+    window_s = probe_window_s(life_s)
+    duration_s = args.duration if args.duration is not None else 5.0 if args.quick else window_s
     if duration_s < MIN_WINDOW_LIVES * life_s:
         print(
             f"duet plan: warning: each probe sends {duration_s:g} s of arrivals, shorter than {MIN_WINDOW_LIVES} lives of a "
             f"request under these SLOs ({life_s:.3g} s each): a probe then measures how large a burst the cluster absorbs, "
-            f"not the rate it sustains, and overstates it (leave --duration unset for {probe_window_s(slo, requests):.3g} s)",
+            f"not the rate it sustains, and overstates it (leave --duration unset for {window_s:.3g} s)",
             file=sys.stderr,
         )
     started = time.perf_counter()

@@ -175,10 +175,10 @@ def request_life_s(slo: Slo, requests: Sequence[BenchRequest]) -> float:
     return 0.0 if math.isinf(life) else life
 
 
-def probe_window_s(slo: Slo, requests: Sequence[BenchRequest], at_least_s: float = 30.0) -> float:
-    """A probe window that measures a sustained rate: `at_least_s`, or MIN_WINDOW_LIVES lives of the
-    workload's median request when that is longer."""
-    return max(at_least_s, MIN_WINDOW_LIVES * request_life_s(slo, requests))
+def probe_window_s(life_s: float, at_least_s: float = 30.0) -> float:
+    """A probe window that measures a sustained rate: `at_least_s`, or MIN_WINDOW_LIVES lives of a
+    request (`request_life_s`) when that is longer."""
+    return max(at_least_s, MIN_WINDOW_LIVES * life_s)
 
 
 class _Verdict:

@@ -352,9 +352,9 @@ def test_a_probe_window_holds_several_lives_of_a_request_and_a_shorter_one_is_wa
     decode_heavy = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=5, input_len=256, output_len=1024), 0)
     slo = Slo(ttft_ms=1000, tpot_ms=50)
     assert request_life_s(slo, decode_heavy) == pytest.approx(1.0 + 0.05 * 1023)  # TTFT + TPOT x (n - 1)
-    assert probe_window_s(slo, decode_heavy) == pytest.approx(MIN_WINDOW_LIVES * 52.15)
+    assert probe_window_s(request_life_s(slo, decode_heavy)) == pytest.approx(MIN_WINDOW_LIVES * 52.15)
     short = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=5, input_len=64, output_len=8), 0)
-    assert probe_window_s(slo, short) == 30.0  # the floor
+    assert probe_window_s(request_life_s(slo, short)) == 30.0  # the floor
     assert request_life_s(Slo(ttft_ms=1000), short) == 0.0  # no bound on a request's end
 
     code = main(["plan", "--instances", "2", "--policies", "round_robin", "--workload", "fixed", "--num-requests", "20",
