@@ -4,12 +4,16 @@ Clusters this machine can host, with the built-in model: 1 PREFILL + 1 GENERATIO
 Workloads, each at ~70 % of the cluster's capacity as the profile estimates it
 (cluster/sim/capacity.py): prefill-heavy (long prompts, few outputs), decode-heavy (short prompts,
 long outputs), shared-prefix (prompts on a few long prefixes: prefix reuse and KV-aware placement).
-Each case runs twice on the real cluster (through the gRPC client, as `duet bench`) and once in the
-simulator with the profile of that cluster measured as deployed on this machine (PROFILES:
-`duet profile --deployed --topology 1p1g|2mixed`, cluster/sim/deployed.py; or --profile for all). For TTFT p50/p90
-and TPOT p50/p90: the simulator's relative error against the mean of the two real runs, and the
-real runs' own disagreement (noise). A comparison is within bound when its error is at most
-max(15 %, 2 x the real-vs-real error).
+Each case runs twice on the real cluster (through the gRPC client, as `duet bench`; a fresh cluster
+each time, so that the second run finds nothing of the first in the prefix cache), both times the
+same requests at the same arrival times (one seed), and once in the simulator on that seed, with
+the profile of that cluster measured as deployed on this machine (PROFILES: `duet profile --deployed
+--topology 1p1g|2mixed`, cluster/sim/deployed.py; or --profile for all). For TTFT p50/p90 and TPOT
+p50/p90: the simulator's relative error against the mean of the two real runs, and the real runs'
+own disagreement (noise). One seed for all three: 36 Poisson arrivals of one seed and of the next
+differ by up to 3x in TTFT p90 on the real cluster, a difference of workloads, not of the simulator
+or of the host, which would inflate both the error and the noise it is judged against. A comparison
+is within bound when its error is at most max(15 %, 2 x the real-vs-real error).
 
 Figures: `<case>_<metric>_rel_error`, `median_rel_error`, `cases_within_bound` / `cases_total` (a case
 is within bound when all four of its metrics are), and `metrics_within_bound` / `metrics_total`.
@@ -89,25 +93,28 @@ def figures_of(metrics: BenchMetrics) -> dict[str, float | None]:
 
 
 def real_runs(topology: str, cases: dict[str, WorkloadConfig], rates: dict[str, float], seed: int) -> dict[str, list[dict]]:
+    """Each case twice, each time on a cluster of its own: the same seed means the same prompts, and
+    the second run must not find the first one's in the prefix cache (nor any case another's), as
+    the simulator starts every case on empty instances."""
     from cluster.deploy.embedded import BackgroundCluster
 
     config = cluster_config(topology, seed)
     results: dict[str, list[dict]] = {}
-    progress(f"{topology}: starting the embedded cluster ...")
-    with BackgroundCluster(config) as cluster:
-        for name, workload in cases.items():
-            runs = []
-            for repeat in range(2):
-                settings = BenchSettings(
-                    workload=workload, points=(PoissonArrivals(rates[name]),), slo=Slo(), sampling=SamplingSpec(),
-                    warmup=4 if repeat == 0 else 0, seed=seed + repeat, out_dir=Path("."), plots=False, progress=False,
-                )
+    for name, workload in cases.items():
+        runs = []
+        for repeat in range(2):
+            progress(f"{topology} {name} real #{repeat + 1}: starting the embedded cluster ...")
+            settings = BenchSettings(
+                workload=workload, points=(PoissonArrivals(rates[name]),), slo=Slo(), sampling=SamplingSpec(),
+                warmup=4, seed=seed, out_dir=Path("."), plots=False, progress=False,
+            )
+            with BackgroundCluster(config) as cluster:
                 point = asyncio.run(run_points(cluster.target, {}, settings, None))[0]
-                if point.metrics.failed:
-                    progress(f"{topology} {name}: {point.metrics.failed} real requests failed")
-                runs.append(figures_of(point.metrics))
-                progress(f"{topology} {name} real #{repeat + 1}: {runs[-1]}")
-            results[name] = runs
+            if point.metrics.failed:
+                progress(f"{topology} {name}: {point.metrics.failed} real requests failed")
+            runs.append(figures_of(point.metrics))
+            progress(f"{topology} {name} real #{repeat + 1}: {runs[-1]}")
+        results[name] = runs
     return results
 
 

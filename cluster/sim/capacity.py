@@ -5,7 +5,11 @@ that step's time; its request rate is that over the mean prompt. Generation side
 engine allows (max_batch_size, max_num_requests, and the KV pool at the mean sequence length), a
 decode step emits one token per request; its request rate is that throughput over the mean output.
 A disaggregated cluster's capacity is the smaller of its PREFILL and GENERATION sides; a MIXED
-instance splits its time between the two (1 / (1 / prefill rate + 1 / decode rate)). A first-order
+instance splits its time between the two (1 / (1 / prefill rate + 1 / decode rate)). Instances of a
+profile with `contention` (sharing one host's cores) slow each other: at saturation a MIXED instance
+has every other one busy, an instance of a disaggregated cluster's slower side has the other
+instances of its side busy and those of the faster side busy for the share of their capacity
+the slower side uses; its steps take `profile.contended` of that fraction times their time alone. A first-order
 figure for choosing a load (bench/sim_scale.py aims at 70 % of it), not a prediction: queueing,
 chunking and the hand-over are what the simulation itself is for.
 """
@@ -46,5 +50,12 @@ def cluster_rps(
     num_blocks = engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
     prefill = prefill_rps(profile, engine, mean_prompt_tokens)
     decode = decode_rps(profile, engine, num_blocks, mean_prompt_tokens, mean_output_tokens)
-    disaggregated = min(num_prefill * prefill, num_generation * decode) if num_prefill and num_generation else 0.0
-    return disaggregated + num_mixed / (1 / prefill + 1 / decode)
+    others = num_prefill + num_generation + num_mixed - 1
+    disaggregated = 0.0
+    if num_prefill and num_generation:
+        sides = sorted([(num_prefill * prefill, num_prefill), (num_generation * decode, num_generation)])
+        (slow_rps, slow_count), (fast_rps, fast_count) = sides
+        busy = (slow_count - 1 + fast_count * slow_rps / fast_rps + num_mixed) / others
+        disaggregated = slow_rps / profile.contended(busy)
+    mixed = num_mixed / (1 / prefill + 1 / decode) / profile.contended(1.0 if others else 0.0) if num_mixed else 0.0
+    return disaggregated + mixed

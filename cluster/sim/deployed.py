@@ -19,8 +19,11 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    capacity; then loaded passes of Poisson arrivals at 70 % of that estimate (SECOND_PASS),
    repeated while the estimate moves (SETTLED, MAX_LOADED_PASSES).
 3. It fits the step model to the loaded passes' steps (worker/profiler.py `fit(mean=True)`: the
-   mean step of each shape, slow steps included, since a queue waits for those too) and records
-   their spread around it (`step_time_ratios`).
+   mean step of each shape, slow steps included, since a queue waits for those too) together with
+   how much the instances slow each other (`contention`: the steps' time over the model's, against
+   the fraction of the other instances whose logged steps cover the step's start; the model is
+   refitted to the steps with that share taken out, until the slope settles), and records their
+   spread around the whole (`step_time_ratios`).
 4. The control path, from the router's timelines set against the step logs and the load's own
    records (loaded passes): `rpc_latency_s`, the mean of the median ways of a call, a submit's way
    to an idle instance (admission to the start of its next step) and a poll answer's way back (that
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import json
 import math
 import os
@@ -98,6 +102,8 @@ SECOND_PASS = (
 MAX_LOADED_PASSES = 3
 SETTLED = 0.15
 SPREAD_POINTS = 20  # quantiles of StepProfile.step_time_ratios
+CONTENTION_ROUNDS = 6  # refits of the step model with the contention taken out (it settles in 2-3)
+CONTENTION_SETTLED = 0.005
 TABLE_ROWS = 250  # fitted steps kept in the profile's fit.samples_table
 QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(512, 2, 4, concurrency=2), CalibrationPoint(48, 16, 8, concurrency=4))
 QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
@@ -251,10 +257,105 @@ def _calls(timelines: list[dict[str, Any]], steps_dir: Path, since_s: float) -> 
     return ways_there, ways_back
 
 
-def _spread(samples: list[Any], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
-    """Measured / modelled time of each step, at the quantiles (i + 0.5) / points, scaled so that
-    their mean is 1 (the fit meets the mean step; the spread is only how steps scatter around it)."""
-    ratios = sorted(s.step_s / profile.step_s(s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens) for s in samples)
+@dataclass(frozen=True)
+class _Step:
+    """A logged step and the fraction of the other instances mid-step when it started."""
+
+    sample: Any  # worker.profiler.StepSample
+    busy: float
+
+
+def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
+    """Every instance's logged steps that ended at or after wall-clock `since_s`, each with the
+    fraction of the other instances (their step logs in `steps_dir`) whose logged step covers its
+    start. A step's span is [t - loop_s, t]; one instance's steps do not overlap each other."""
+    from worker.profiler import StepSample
+
+    spans: dict[str, list[tuple[float, float, dict[str, Any]]]] = {}
+    for path in sorted(steps_dir.glob("*.jsonl")):
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                rows.append((float(record["t"]) - float(record["loop_s"]), float(record["t"]), record))
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill
+        spans[path.stem] = sorted(rows, key=lambda row: row[0])
+    starts = {name: [row[0] for row in rows] for name, rows in spans.items()}
+    steps = []
+    for name, rows in spans.items():
+        others = [other for other in spans if other != name]
+        for start, end, record in rows:
+            if end < since_s:
+                continue
+            try:
+                sample = StepSample(record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record["loop_s"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+            busy = 0
+            for other in others:
+                index = bisect.bisect_right(starts[other], start) - 1
+                busy += index >= 0 and spans[other][index][1] > start
+            steps.append(_Step(sample, busy / len(others) if others else 0.0))
+    return steps
+
+
+def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], float], StepProfile]) -> tuple[StepProfile, dict[str, Any]]:
+    """The step model of a step run alone and the contention on it (the module docstring, step 3):
+    the fitted profile (`as_profile(coefficients, contention)`) and the fit's quality and rounds."""
+    from worker.profiler import fit
+
+    contention = 0.0
+    rounds = []
+    for _ in range(CONTENTION_ROUNDS):
+        alone = [dataclasses.replace(step.sample, step_s=step.sample.step_s / (1 + contention * step.busy)) for step in steps]
+        coefficients, quality = fit(alone, trim_fraction=0.0, mean=True)
+        model = as_profile(coefficients, 0.0)
+        ratios = [step.sample.step_s / _modelled(model, step.sample) for step in steps]
+        busy = [step.busy for step in steps]
+        mean_busy, mean_ratio = statistics.fmean(busy), statistics.fmean(ratios)
+        variance = statistics.fmean([(b - mean_busy) ** 2 for b in busy])
+        if variance <= 0:  # one instance, or never any overlap: nothing to measure
+            rounds.append({"contention": 0.0})
+            contention = 0.0
+            break
+        slope = statistics.fmean([(b - mean_busy) * (r - mean_ratio) for b, r in zip(busy, ratios, strict=True)]) / variance
+        intercept = mean_ratio - slope * mean_busy
+        settled, contention = contention, max(0.0, slope / intercept) if intercept > 0 else 0.0
+        rounds.append({"intercept": round(intercept, 4), "slope": round(slope, 4), "contention": round(contention, 4)})
+        if abs(contention - settled) < CONTENTION_SETTLED:
+            break
+    alone = [dataclasses.replace(step.sample, step_s=step.sample.step_s / (1 + contention * step.busy)) for step in steps]
+    coefficients, quality = fit(alone, trim_fraction=0.0, mean=True)
+    profile = as_profile(coefficients, contention)
+    errors = sorted(abs(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) - 1) for step in steps)
+    quality = {
+        **quality,
+        # The whole model's (alone x contended) error on the logged steps; the entries above are the
+        # step model's on the steps with their contention taken out.
+        "contended_median_relative_error": round(statistics.median(errors), 4),
+        "mean_busy_fraction": round(statistics.fmean(step.busy for step in steps), 4),
+        "contention_rounds": rounds,
+    }
+    return profile, quality
+
+
+def _coefficients(profile: StepProfile) -> dict[str, float]:
+    """The step model's coefficients (worker/profiler.py COLUMNS) of `profile`."""
+    names = ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
+             "decode_s_per_context_token", "context_step_s")
+    return {name: getattr(profile, name) for name in names}
+
+
+def _modelled(profile: StepProfile, sample: Any) -> float:
+    return profile.step_s(sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens)
+
+
+def _spread(steps: list[_Step], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
+    """Measured / modelled time of each step (contention included), at the quantiles (i + 0.5) /
+    points, scaled so that their mean is 1 (the fit meets the mean step; the spread is only how
+    steps scatter around it)."""
+    ratios = sorted(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) for step in steps)
     picked = [ratios[min(len(ratios) - 1, int((i + 0.5) / points * len(ratios)))] for i in range(points)]
     mean = sum(picked) / len(picked)
     return [round(r / mean, 4) for r in picked]
@@ -274,7 +375,6 @@ def measure_deployed(
     from cluster.loadgen.runner import LoadRunner, SamplingSpec
     from cluster.loadgen.workloads import build_workload
     from cluster.router.instance_client import RayInstanceClient
-    from worker.profiler import fit, read_step_logs
 
     config = config or default_config()
     first_pass, second_pass = (QUICK_FIRST_PASS, QUICK_SECOND_PASS) if quick else (FIRST_PASS, SECOND_PASS)
@@ -323,41 +423,42 @@ def measure_deployed(
             info = cluster.run(RayInstanceClient(*next(iter(cluster.deployment.actors.items()))).get_info())
             layout = info.layout
             kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
-            first_samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")))
-            if len(first_samples) < 8:
-                raise RuntimeError(f"the deployment logged {len(first_samples)} steps in the first pass; too few to fit")
-            coefficients_first, _ = fit(first_samples, trim_fraction=0.0, mean=True)
+            first_steps = _logged_steps(steps_dir)
+            if len(first_steps) < 8:
+                raise RuntimeError(f"the deployment logged {len(first_steps)} steps in the first pass; too few to fit")
 
-            def as_profile(coefficients: dict[str, float]) -> StepProfile:
-                return StepProfile("provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token, **coefficients)
+            def as_profile(coefficients: dict[str, float], contention: float) -> StepProfile:
+                return StepProfile(
+                    "provisional", "measured", "cpu", "m", handover_fixed_s=0.0, kv_bytes_per_token=kv_bytes_per_token,
+                    contention=contention, **coefficients,
+                )
 
             def capacities(profile: StepProfile) -> list[float]:
                 return [capacity_of(profile, point) for point in second_pass]
 
-            provisional = as_profile(coefficients_first)
+            provisional, _ = _fit_contended(first_steps, as_profile)
+            provisional_first = provisional
             pass_fits = []
             second_s = time.time()
             for number in range(1 if quick else MAX_LOADED_PASSES):
                 pass_s = time.time()
                 asyncio.run(serve(second_pass, provisional, f"loaded pass {number + 1}"))
-                samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=pass_s)
-                if len(samples) < 8:
-                    raise RuntimeError(f"the deployment logged {len(samples)} steps in a loaded pass; too few to fit")
-                coefficients, _ = fit(samples, trim_fraction=0.0, mean=True)
-                fitted = as_profile(coefficients)
+                steps = _logged_steps(steps_dir, since_s=pass_s)
+                if len(steps) < 8:
+                    raise RuntimeError(f"the deployment logged {len(steps)} steps in a loaded pass; too few to fit")
+                fitted, _ = _fit_contended(steps, as_profile)
                 moved = max(abs(new / old - 1) for new, old in zip(capacities(fitted), capacities(provisional), strict=True))
-                pass_fits.append({"coefficients": coefficients, "capacity_moved": round(moved, 4)})
+                pass_fits.append({"coefficients": _coefficients(fitted), "contention": fitted.contention, "capacity_moved": round(moved, 4)})
                 provisional = fitted
                 if moved < SETTLED:
                     break
             # The profile: every loaded pass's steps (each pass's own fit is noisy on a shared host).
-            samples = read_step_logs(sorted(steps_dir.glob("*.jsonl")), since_s=second_s)
-            coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
-            ratios = _spread(samples, as_profile(coefficients))
+            steps = _logged_steps(steps_dir, since_s=second_s)
+            fitted, quality = _fit_contended(steps, as_profile)
+            ratios = _spread(steps, fitted)
         handovers = _handover_seconds(timeline_path, engine.tokens_per_block, kv_bytes_per_token, second_s)
         timelines = _timelines(timeline_path)
         calls = _calls(timelines, steps_dir, second_s)
-    coefficients, quality = fit(samples, trim_fraction=0.0, mean=True)
     ways_in, ways_out = _frontend(runs, timelines)
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
     call_there, call_back = (_percentiles(ways) for ways in calls)
@@ -369,7 +470,8 @@ def measure_deployed(
         "source": "measured",
         "device": f"cpu as deployed: {groups} on a {config.ray.num_cpus or os.cpu_count()}-CPU Ray, {os.cpu_count()}-core host",
         "model": "builtin" if config.model is None else Path(config.model).name,
-        **coefficients,
+        **_coefficients(fitted),
+        "contention": fitted.contention,
         "handover_fixed_s": handover.get("p50", 0.0),
         "kv_bytes_per_token": kv_bytes_per_token,
         "combine": "sum",
@@ -393,7 +495,7 @@ def measure_deployed(
             "deployment": {"instances": groups, "engine": dict(config.engine), "ray_num_cpus": config.ray.num_cpus},
             "first_pass": [point.__dict__ for point in first_pass],
             "loaded_pass": [point.__dict__ for point in second_pass],
-            "first_pass_fit": coefficients_first,
+            "first_pass_fit": {**_coefficients(provisional_first), "contention": provisional_first.contention},
             "loaded_pass_fits": pass_fits,
             "call_way_there_s": call_there,
             "call_way_back_s": call_back,
@@ -404,10 +506,13 @@ def measure_deployed(
             "load_average_after": _load_average(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # Every `samples_table_every`-th fitted step (a few thousand would make the file large).
-            "samples_table_every": max(1, math.ceil(len(samples) / TABLE_ROWS)),
+            "samples_table_every": max(1, math.ceil(len(steps) / TABLE_ROWS)),
+            # context tokens, context pairs, decode sequences, their context tokens, seconds, and the
+            # fraction of the other instances mid-step as the step started
             "samples_table": [
-                [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7)]
-                for s in samples[:: max(1, math.ceil(len(samples) / TABLE_ROWS))]
+                [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4)]
+                for step in steps[:: max(1, math.ceil(len(steps) / TABLE_ROWS))]
+                for s in (step.sample,)
             ],
         },
     }

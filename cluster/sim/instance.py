@@ -21,6 +21,8 @@ InstanceUnavailable, as a dead Ray actor does.
 
 A profile with a spread (StepProfile.step_time_ratios) makes each step take its model time times a
 factor drawn from it (the instance's own generator, seeded by the simulation: a rerun is identical).
+A profile with contention (instances sharing one host's cores) also makes it take
+`StepProfile.contended` of the fraction of the simulation's other instances mid-step as it starts.
 
 KV transfers take the link model's time (cluster/sim/link.py) plus the profile's control-path cost;
 transfer faults come from the deployment's fault plan (worker/kv_transfer/faults.py), drawn per
@@ -135,6 +137,7 @@ class SimNetwork:
         self.network = network
         self.faults = faults if faults is not None and faults.enabled else None
         self.by_address: dict[str, SimInstance] = {}
+        self.mid_step = 0  # instances whose step has started and not completed (StepProfile.contention)
 
 
 class SimInstance:
@@ -189,6 +192,7 @@ class SimInstance:
         # a list: the engine parity test compares it with the Engine's (tests/unit/test_sim_instance.py).
         self.step_log: list[tuple[int, int, int, int]] | None = None
         self._generation = 0  # incarnation counter: timers of a killed incarnation do nothing
+        self._mid_step = False  # counted in network.mid_step
         self.dead = False
         self._reset()
 
@@ -245,6 +249,7 @@ class SimInstance:
         """SIGKILL: everything it held is gone; every call fails until `restart`."""
         self.dead = True
         self._generation += 1
+        self._end_step()  # its step's completion will never fire
         self._wake()  # a poll waiting for mail answers (with InstanceUnavailable)
 
     def restart(self) -> None:
@@ -533,6 +538,11 @@ class SimInstance:
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
         if self.profile.step_time_ratios:
             step_s *= self.profile.step_factor(self._rng.random())
+        net = self.net
+        if self.profile.contention and len(net.by_address) > 1:
+            step_s *= self.profile.contended(net.mid_step / (len(net.by_address) - 1))
+        net.mid_step += 1
+        self._mid_step = True
         if self.step_log is not None:
             self.step_log.append((context_tokens, pairs, len(schedule.generation), decode_context))
         stats = self.stats
@@ -542,7 +552,13 @@ class SimInstance:
         self._wake()  # events of this step's start (prefill started) go out now
         self._at(now + step_s, self._complete, schedule)
 
+    def _end_step(self) -> None:
+        if self._mid_step:
+            self._mid_step = False
+            self.net.mid_step -= 1
+
     def _complete(self, schedule: ScheduleOutput) -> None:
+        self._end_step()
         reuse = self.config.enable_prefix_reuse
         requests = self._requests
         vocab = self.vocab_size

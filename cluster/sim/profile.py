@@ -29,6 +29,15 @@ latency (half the median Ray actor call round trip from the router's event loop,
 calibration load), and `frontend_latency_s`, the gRPC front end's one-way latency per message (half
 the median health-check round trip from the load's client, under that load). None: not measured;
 the simulation's own settings apply (cluster/sim/cluster.py SimSettings).
+
+Instances that share one host's cores slow each other down: on this 2-core machine a step that
+starts while the other instance is mid-step takes 1.2-1.4x what it takes alone. A deployed profile
+measures that too, as `contention`: a step that starts while a fraction x of the simulation's other
+instances are mid-step takes (1 + contention x x) times the model above, whose coefficients are then
+those of a step run alone. It is what lets one profile serve loads that keep the instances busy in
+different proportions (a prefill-heavy load leaves a generation instance mostly idle, a decode-heavy
+one the prefill instance). 0 (roofline and single-process profiles): instances that do not share
+(a GPU each), or a profile that does not know; the simulated instances then never look at each other.
 """
 
 from __future__ import annotations
@@ -65,6 +74,8 @@ class StepProfile:
     step_time_ratios: tuple[float, ...] = ()
     rpc_latency_s: float | None = None  # seconds, one way, as deployed (the module docstring); None: not measured
     frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
+    # A step's slowdown per fraction of the other instances mid-step as it starts (the module docstring).
+    contention: float = 0.0
     notes: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # how it was measured: samples, residuals
 
@@ -73,7 +84,7 @@ class StepProfile:
             raise ProfileError(f"combine: 'sum' or 'max', got {self.combine!r}")
         for name in (
             "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
-            "decode_s_per_context_token", "handover_fixed_s", "context_step_s",
+            "decode_s_per_context_token", "handover_fixed_s", "context_step_s", "contention",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -101,6 +112,11 @@ class StepProfile:
         memory_s = self.decode_s_per_context_token * decode_context_tokens
         body_s = compute_s + memory_s if self.combine == "sum" else max(compute_s, memory_s)
         return self.step_overhead_s + (self.context_step_s if context_tokens else 0.0) + body_s
+
+    def contended(self, busy_fraction: float) -> float:
+        """The factor on a step's time when `busy_fraction` of the other instances sharing its host
+        are mid-step as it starts (1.0 for a profile without contention)."""
+        return 1.0 + self.contention * busy_fraction
 
     def step_factor(self, u: float) -> float:
         """The step-time ratio at quantile `u` in [0, 1) (linear between the listed quantiles, the

@@ -5,6 +5,7 @@ cluster/sim/client.py). Deterministic: virtual time and synthetic steps, no timi
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -203,3 +204,85 @@ def test_a_profile_s_spread_scales_each_simulated_step_by_a_seeded_draw() -> Non
     assert [r.chunk_times_s for r in first.point.outcome.records] == [r.chunk_times_s for r in again.point.outcome.records]
     gaps = [b - a for r in first.point.outcome.records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)]
     assert max(gaps) > 2 * min(gaps)
+
+
+def test_contention_slows_a_simulated_step_by_the_share_of_the_other_instances_mid_step() -> None:
+    from cluster.sim.instance import SimInstance, SimNetwork
+    from cluster.sim.link import Network
+    from cluster.sim.vclock import run_virtual
+    from worker.engine_types import EngineConfig
+    from worker.protocol import RequestType, SubmitRequest
+    from worker.sampling import SamplingParams
+
+    contended = dataclasses.replace(PROFILE, contention=0.5)
+    config = EngineConfig().with_overrides(num_blocks=64, tokens_per_block=16, max_num_tokens=128, chunk_unit_tokens=64, max_batch_size=8, max_num_requests=8)
+    one_step = PROFILE.step_s(32, context_pairs(0, 32), 0, 0)  # a 32-token prompt, one token: one step
+
+    async def main(kill_first: bool):
+        network = SimNetwork(Network(DATA_PLANES["grpc-25gbe"]))
+        first, second = (SimInstance(name, config, contended, network, rpc_latency_s=0.0) for name in ("a", "b"))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        await first.submit(SubmitRequest("r0", tuple(range(32)), params, RequestType.CONTEXT_AND_GENERATION))
+        if kill_first:
+            await asyncio.sleep(one_step / 2)
+            first.kill()  # mid-step: it no longer counts
+            assert network.mid_step == 0
+        await second.submit(SubmitRequest("r1", tuple(range(100, 132)), params, RequestType.CONTEXT_AND_GENERATION))
+        while second.num_requests or (first.num_requests and not first.dead):
+            await asyncio.sleep(0.001)
+        assert network.mid_step == 0
+        return first.stats.busy_s, second.stats.busy_s
+
+    alone, overlapped = run_virtual(main(kill_first=False))
+    assert alone == pytest.approx(one_step)  # nobody else was mid-step as it started
+    assert overlapped == pytest.approx(1.5 * one_step)  # the other one (all others) was
+    _, after_kill = run_virtual(main(kill_first=True))
+    assert after_kill == pytest.approx(one_step)
+    # No contention in the profile: the same steps, untouched (the simulated instances never look).
+    assert StepProfile.from_dict(json.loads(json.dumps(contended.to_dict()))) == contended
+    with pytest.raises(ProfileError, match="contention"):
+        dataclasses.replace(PROFILE, contention=-0.1)
+
+
+def test_the_deployed_fit_separates_a_step_alone_from_the_contention_of_the_other_instance(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from cluster.sim import deployed
+
+    truth = dataclasses.replace(PROFILE, step_overhead_s=3e-3, prefill_s_per_token=4e-5, decode_s_per_sequence=3e-4,
+                                decode_s_per_context_token=2e-6, context_step_s=2e-3, contention=0.4)
+    steps_dir = tmp_path / "steps"
+    steps_dir.mkdir()
+    prefill, generation = [], []
+    now = 1000.0
+    # Generation steps start only while the prefill instance is idle (never contended); the prefill
+    # steps start alternately inside a generation step (contended) and in a gap (alone).
+    for index in range(60):
+        seqs = 1 + index % 8
+        decode_s = truth.step_s(0, 0, seqs, seqs * (64 + 16 * index % 5))
+        generation.append({"t": now + decode_s, "ctx": 0, "pairs": 0, "seqs": seqs, "dctx": seqs * (64 + 16 * index % 5), "loop_s": decode_s})
+        tokens = (64, 128, 256, 512)[index % 4]
+        inside = index % 2 == 0
+        start = now + (decode_s / 2 if inside else decode_s + 1e-3)
+        prefill_s = truth.step_s(tokens, context_pairs(0, tokens), 0, 0) * truth.contended(1.0 if inside else 0.0)
+        prefill.append({"t": start + prefill_s, "ctx": tokens, "pairs": context_pairs(0, tokens), "seqs": 0, "dctx": 0, "loop_s": prefill_s})
+        now = start + prefill_s + 1e-3
+    for name, rows in (("prefill-0", prefill), ("generation-0", generation)):
+        (steps_dir / f"{name}.jsonl").write_text("".join(json.dumps(row | {"s": row["loop_s"]}) + "\n" for row in rows))
+    steps = deployed._logged_steps(steps_dir)
+    assert len(steps) == 120
+    assert sorted(step.busy for step in steps).count(1.0) == 30
+
+    def as_profile(coefficients: dict[str, float], contention: float) -> StepProfile:
+        return dataclasses.replace(truth, contention=contention, **coefficients)
+
+    fitted, quality = deployed._fit_contended(steps, as_profile)
+    assert fitted.contention == pytest.approx(0.4, abs=0.01)
+    for tokens in (64, 512):
+        assert fitted.step_s(tokens, context_pairs(0, tokens), 0, 0) == pytest.approx(truth.step_s(tokens, context_pairs(0, tokens), 0, 0), rel=0.02)
+    assert fitted.step_s(0, 0, 4, 256) == pytest.approx(truth.step_s(0, 0, 4, 256), rel=0.02)
+    assert quality["contended_median_relative_error"] < 0.01
+    assert quality["mean_busy_fraction"] == pytest.approx(0.25)
+    # Alone, the steps say nothing of contention.
+    (steps_dir / "generation-0.jsonl").unlink()
+    alone, _ = deployed._fit_contended(deployed._logged_steps(steps_dir), as_profile)
+    assert alone.contention == 0.0
