@@ -19,6 +19,12 @@ case, with medians and interquartile ranges over the repeats:
 Targets (issue 15, this 2-core machine, 2048-token prompt, both models, 512-token chunks): added
 delay <= 3 ms + 1.2 x bytes_time; disaggregated TTFT <= 1.05 x MIXED TTFT.
 
+`--processes` runs each instance in its own process, as `duet serve` deploys them (a Ray actor
+each, on an embedded 2-CPU Ray; the routers stay in this process and call them through Ray): in
+one process the three engines, the transfer threads and the routers share one interpreter lock,
+and whatever runs beside a prefill's forward pass slows it, which a deployment's separate
+processes do not pay.
+
 `--reserve` compares when the generation instance reserves (router.handover.reserve): the default
 at_context_start relays the reservation to the prefill instance while it computes, which pushes
 the moment its KV is final; at_context_done is the hand-over on the critical path.
@@ -26,6 +32,7 @@ the moment its KV is final; at_context_done is the hand-over on the critical pat
     python bench/handover_latency.py                     # every case, 20 repeats each
     python bench/handover_latency.py --quick             # one small case (the suite's smoke test)
     python bench/handover_latency.py --model bench --prompt-tokens 2048 --max-num-tokens 512
+    python bench/handover_latency.py --processes --model default --prompt-tokens 2048 --max-num-tokens 512
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cluster.deploy.launch import keep_ray_on_loopback  # noqa: E402
+
+keep_ray_on_loopback()  # before anything imports Ray: --processes starts an embedded one
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
 from cluster.router.api import ClientRequest, TokenEvent  # noqa: E402
 from cluster.router.config import RouterConfig  # noqa: E402
@@ -116,23 +126,29 @@ async def _run_case(case: Case, args, rng: random.Random) -> tuple[dict[str, lis
         "disaggregated": RouterConfig.from_dict({"health": health, "handover": {"reserve": case.reserve}}),
         "mixed": RouterConfig.from_dict({"health": health, "placement": {"disaggregation": "never"}}),
     }
-    instances = {
-        "p0": _instance("p0", InstanceRole.PREFILL, case, args),
-        "g0": _instance("g0", InstanceRole.GENERATION, case, args),
-        "m0": _instance("m0", InstanceRole.MIXED, case, args),
-    }
-    layout = instances["p0"].engine.layout
-    kv_bytes = layout.run_bytes(layout.num_layers, -(-case.prompt_tokens // TOKENS_PER_BLOCK))
+    deployment = None
+    instances: dict[str, Instance] = {}
     routers: dict[str, Router] = {}
     try:
+        if args.processes:
+            deployment, clients = _deploy(case, args)
+        else:
+            instances = {
+                "p0": _instance("p0", InstanceRole.PREFILL, case, args),
+                "g0": _instance("g0", InstanceRole.GENERATION, case, args),
+                "m0": _instance("m0", InstanceRole.MIXED, case, args),
+            }
+            clients = {name: LocalInstanceClient(instance) for name, instance in instances.items()}
+        layout = (await clients["p0"].get_info()).layout
+        kv_bytes = layout.run_bytes(layout.num_layers, -(-case.prompt_tokens // TOKENS_PER_BLOCK))
         for name, config in configs.items():
             routers[name] = Router(
                 config, ByteTokenizer(), vocab_size=ByteTokenizer.VOCAB_SIZE, max_seq_len=MAX_SEQ_LEN, tokens_per_block=TOKENS_PER_BLOCK
             )
             await routers[name].start()
-        await routers["disaggregated"].add_instance(LocalInstanceClient(instances["p0"]))
-        await routers["disaggregated"].add_instance(LocalInstanceClient(instances["g0"]))
-        await routers["mixed"].add_instance(LocalInstanceClient(instances["m0"]))
+        await routers["disaggregated"].add_instance(clients["p0"])
+        await routers["disaggregated"].add_instance(clients["g0"])
+        await routers["mixed"].add_instance(clients["m0"])
         samples: dict[str, list[Sample]] = {name: [] for name in routers}
         for repeat in range(args.repeats + 1):  # the first round warms up
             prompt = [rng.randrange(256) for _ in range(case.prompt_tokens)]  # fresh: no prefix reuse
@@ -148,6 +164,34 @@ async def _run_case(case: Case, args, rng: random.Random) -> tuple[dict[str, lis
             await router.stop()
         for instance in instances.values():
             instance.shutdown()
+        if deployment is not None:
+            deployment.stop()
+
+
+def _deploy(case: Case, args) -> tuple[object, dict[str, object]]:
+    """The three instances as Ray actors on an embedded Ray (cluster/deploy/launch.py Deployment,
+    as `duet serve` starts them), by this bench's names."""
+    from cluster.deploy.config import ClusterConfig
+    from cluster.deploy.launch import Deployment
+
+    engine = _engine(InstanceRole.MIXED, case)
+    group = {"count": 1, "num_cpus": 0, "torch_threads": args.threads}
+    config = ClusterConfig.from_dict({
+        "model": None if case.model == "default" else BUILTIN_PREFIX + case.model,
+        "dtype": args.dtype, "device": args.device, "cluster_token": TOKEN,
+        "instances": [{"role": role, **group} for role in ("PREFILL", "GENERATION", "MIXED")],
+        "engine": {"num_blocks": engine.num_blocks, "tokens_per_block": engine.tokens_per_block,
+                   "max_num_tokens": engine.max_num_tokens, "chunk_unit_tokens": engine.chunk_unit_tokens},
+        "kv_transfer": {"data_plane": case.data_plane},
+        "ray": {"num_cpus": 2},
+    })
+    deployment = Deployment(config)
+    try:
+        clients = {client.instance_id: client for client in deployment.start()}
+    except BaseException:
+        deployment.stop()
+        raise
+    return deployment, {"p0": clients["prefill-0"], "g0": clients["generation-0"], "m0": clients["mixed-0"]}
 
 
 def _bare_grpc_s(kv_bytes: int, repeats: int) -> float:
@@ -202,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N: where all three instances run")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--processes", action="store_true", help="each instance in its own process (Ray actors), as deployed")
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.prompt_tokens, args.max_num_tokens, args.repeats = ["default"], [512], ["512"], 3
@@ -219,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         for reserve in args.reserve
     ]
     rng = random.Random(0)
-    figures: dict[str, object] = {"device": args.device, "dtype": args.dtype, "repeats": args.repeats}
+    figures: dict[str, object] = {
+        "device": args.device, "dtype": args.dtype, "repeats": args.repeats, "processes": "one per instance" if args.processes else "one",
+    }
     targets: dict[str, Target] = {}
     rows = []
     for case in cases:
@@ -252,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                 added_ms, bytes_s * 1000, _iqr_ms(gap["disaggregated"]), disagg_ttft_ms, mixed_ttft_ms,
             ]
         )
-    print(f"{args.dtype} on {args.device}, {args.repeats} repeats per case (medians; IQR of the disaggregated gap)")
+    where = "each instance in its own process" if args.processes else "every instance in this process"
+    print(f"{args.dtype} on {args.device}, {where}, {args.repeats} repeats per case (medians; IQR of the disaggregated gap)")
     print_table(
         ["model", "prompt", "max tok", "plane", "reserve", "KV MiB", "added ms", "bytes ms", "gap IQR ms", "disagg TTFT ms", "mixed TTFT ms"],
         rows,

@@ -9,7 +9,7 @@ instance splits its time between the two (1 / (1 / prefill rate + 1 / decode rat
 profile with `contention` (sharing one host's cores) slow each other: at saturation a MIXED instance
 has every other one busy, an instance of a disaggregated cluster's slower side has the other
 instances of its side busy and those of the faster side busy for the share of their capacity
-the slower side uses; its steps take `profile.contended` of that fraction times their time alone. A first-order
+the slower side uses; its steps take `profile.contended` of that many times their time alone. A first-order
 figure for choosing a load (bench/sim_scale.py aims at 70 % of it), not a prediction: queueing,
 chunking and the hand-over are what the simulation itself is for.
 """
@@ -55,7 +55,7 @@ def cluster_rps(
     if num_prefill and num_generation:
         sides = sorted([(num_prefill * prefill, num_prefill), (num_generation * decode, num_generation)])
         (slow_rps, slow_count), (fast_rps, fast_count) = sides
-        busy = (slow_count - 1 + fast_count * slow_rps / fast_rps + num_mixed) / others
+        busy = slow_count - 1 + fast_count * slow_rps / fast_rps + num_mixed
         disaggregated = slow_rps / profile.contended(busy)
-    mixed = num_mixed / (1 / prefill + 1 / decode) / profile.contended(1.0 if others else 0.0) if num_mixed else 0.0
+    mixed = num_mixed / (1 / prefill + 1 / decode) / profile.contended(others) if num_mixed else 0.0
     return disaggregated + mixed

@@ -21,7 +21,7 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
 3. It fits the step model to the loaded passes' steps (worker/profiler.py `fit(mean=True)`: the
    mean step of each shape, slow steps included, since a queue waits for those too) together with
    how much the instances slow each other (`contention`: the steps' time over the model's, against
-   the fraction of the other instances whose logged steps cover the step's start; the model is
+   the number of the other instances whose logged steps cover the step's start; the model is
    refitted to the steps with that share taken out, until the slope settles), and records their
    spread around the whole (`step_time_ratios`).
 4. The control path, from the router's timelines set against the step logs and the load's own
@@ -259,7 +259,7 @@ def _calls(timelines: list[dict[str, Any]], steps_dir: Path, since_s: float) -> 
 
 @dataclass(frozen=True)
 class _Step:
-    """A logged step and the fraction of the other instances mid-step when it started."""
+    """A logged step and how many of the other instances were mid-step when it started."""
 
     sample: Any  # worker.profiler.StepSample
     busy: float
@@ -267,7 +267,7 @@ class _Step:
 
 def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
     """Every instance's logged steps that ended at or after wall-clock `since_s`, each with the
-    fraction of the other instances (their step logs in `steps_dir`) whose logged step covers its
+    number of the other instances (their step logs in `steps_dir`) whose logged step covers its
     start. A step's span is [t - loop_s, t]; one instance's steps do not overlap each other."""
     from worker.profiler import StepSample
 
@@ -296,7 +296,7 @@ def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
             for other in others:
                 index = bisect.bisect_right(starts[other], start) - 1
                 busy += index >= 0 and spans[other][index][1] > start
-            steps.append(_Step(sample, busy / len(others) if others else 0.0))
+            steps.append(_Step(sample, float(busy)))
     return steps
 
 
@@ -334,7 +334,7 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
         # The whole model's (alone x contended) error on the logged steps; the entries above are the
         # step model's on the steps with their contention taken out.
         "contended_median_relative_error": round(statistics.median(errors), 4),
-        "mean_busy_fraction": round(statistics.fmean(step.busy for step in steps), 4),
+        "mean_busy_instances": round(statistics.fmean(step.busy for step in steps), 4),
         "contention_rounds": rounds,
     }
     return profile, quality
@@ -507,8 +507,8 @@ def measure_deployed(
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # Every `samples_table_every`-th fitted step (a few thousand would make the file large).
             "samples_table_every": max(1, math.ceil(len(steps) / TABLE_ROWS)),
-            # context tokens, context pairs, decode sequences, their context tokens, seconds, and the
-            # fraction of the other instances mid-step as the step started
+            # context tokens, context pairs, decode sequences, their context tokens, seconds, and how
+            # many of the other instances were mid-step as the step started
             "samples_table": [
                 [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4)]
                 for step in steps[:: max(1, math.ceil(len(steps) / TABLE_ROWS))]

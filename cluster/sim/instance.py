@@ -22,7 +22,7 @@ InstanceUnavailable, as a dead Ray actor does.
 A profile with a spread (StepProfile.step_time_ratios) makes each step take its model time times a
 factor drawn from it (the instance's own generator, seeded by the simulation: a rerun is identical).
 A profile with contention (instances sharing one host's cores) also makes it take
-`StepProfile.contended` of the fraction of the simulation's other instances mid-step as it starts.
+`StepProfile.contended` of the number of the simulation's other instances mid-step as it starts.
 
 KV transfers take the link model's time (cluster/sim/link.py) plus the profile's control-path cost;
 transfer faults come from the deployment's fault plan (worker/kv_transfer/faults.py), drawn per
@@ -539,8 +539,8 @@ class SimInstance:
         if self.profile.step_time_ratios:
             step_s *= self.profile.step_factor(self._rng.random())
         net = self.net
-        if self.profile.contention and len(net.by_address) > 1:
-            step_s *= self.profile.contended(net.mid_step / (len(net.by_address) - 1))
+        if self.profile.contention:
+            step_s *= self.profile.contended(net.mid_step)
         net.mid_step += 1
         self._mid_step = True
         if self.step_log is not None:

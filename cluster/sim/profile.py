@@ -31,13 +31,16 @@ the median health-check round trip from the load's client, under that load). Non
 the simulation's own settings apply (cluster/sim/cluster.py SimSettings).
 
 Instances that share one host's cores slow each other down: on this 2-core machine a step that
-starts while the other instance is mid-step takes 1.2-1.4x what it takes alone. A deployed profile
-measures that too, as `contention`: a step that starts while a fraction x of the simulation's other
-instances are mid-step takes (1 + contention x x) times the model above, whose coefficients are then
-those of a step run alone. It is what lets one profile serve loads that keep the instances busy in
-different proportions (a prefill-heavy load leaves a generation instance mostly idle, a decode-heavy
-one the prefill instance). 0 (roofline and single-process profiles): instances that do not share
-(a GPU each), or a profile that does not know; the simulated instances then never look at each other.
+starts while the other instance is mid-step takes 1.2-1.5x what it takes alone. A deployed profile
+measures that too, as `contention`: a step that starts while n of the simulation's other instances
+are mid-step takes (1 + contention x n) times the model above, whose coefficients are then those of
+a step run alone. It is what lets one profile serve loads that keep the instances busy in different
+proportions (a prefill-heavy load leaves a generation instance mostly idle, a decode-heavy one the
+prefill instance), and, per busy instance rather than per share of them, clusters of more processes
+than the host has cores (each one more takes its share of the cores). It describes one host: a
+simulation of more instances than share one host wants a profile without it. 0 (roofline and
+single-process profiles): instances that do not share (a GPU each), or a profile that does not know;
+the simulated instances then never look at each other.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class StepProfile:
     step_time_ratios: tuple[float, ...] = ()
     rpc_latency_s: float | None = None  # seconds, one way, as deployed (the module docstring); None: not measured
     frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
-    # A step's slowdown per fraction of the other instances mid-step as it starts (the module docstring).
+    # A step's slowdown per other instance mid-step as it starts (the module docstring).
     contention: float = 0.0
     notes: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # how it was measured: samples, residuals
@@ -113,10 +116,10 @@ class StepProfile:
         body_s = compute_s + memory_s if self.combine == "sum" else max(compute_s, memory_s)
         return self.step_overhead_s + (self.context_step_s if context_tokens else 0.0) + body_s
 
-    def contended(self, busy_fraction: float) -> float:
-        """The factor on a step's time when `busy_fraction` of the other instances sharing its host
-        are mid-step as it starts (1.0 for a profile without contention)."""
-        return 1.0 + self.contention * busy_fraction
+    def contended(self, busy_instances: float) -> float:
+        """The factor on a step's time when `busy_instances` other instances sharing its host are
+        mid-step as it starts (1.0 for a profile without contention)."""
+        return 1.0 + self.contention * busy_instances
 
     def step_factor(self, u: float) -> float:
         """The step-time ratio at quantile `u` in [0, 1) (linear between the listed quantiles, the

@@ -235,9 +235,21 @@ def test_contention_slows_a_simulated_step_by_the_share_of_the_other_instances_m
 
     alone, overlapped = run_virtual(main(kill_first=False))
     assert alone == pytest.approx(one_step)  # nobody else was mid-step as it started
-    assert overlapped == pytest.approx(1.5 * one_step)  # the other one (all others) was
+    assert overlapped == pytest.approx(1.5 * one_step)  # the other one was
     _, after_kill = run_virtual(main(kill_first=True))
     assert after_kill == pytest.approx(one_step)
+
+    async def three():  # per busy instance, not per share of them: a third starts while two are busy
+        network = SimNetwork(Network(DATA_PLANES["grpc-25gbe"]))
+        instances = [SimInstance(name, config, contended, network, rpc_latency_s=0.0) for name in ("a", "b", "c")]
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for index, instance in enumerate(instances):
+            await instance.submit(SubmitRequest(f"r{index}", tuple(range(100 * index, 100 * index + 32)), params, RequestType.CONTEXT_AND_GENERATION))
+        while any(instance.num_requests for instance in instances):
+            await asyncio.sleep(0.001)
+        return [instance.stats.busy_s for instance in instances]
+
+    assert run_virtual(three()) == pytest.approx([one_step, 1.5 * one_step, 2.0 * one_step])
     # No contention in the profile: the same steps, untouched (the simulated instances never look).
     assert StepProfile.from_dict(json.loads(json.dumps(contended.to_dict()))) == contended
     with pytest.raises(ProfileError, match="contention"):
@@ -281,7 +293,7 @@ def test_the_deployed_fit_separates_a_step_alone_from_the_contention_of_the_othe
         assert fitted.step_s(tokens, context_pairs(0, tokens), 0, 0) == pytest.approx(truth.step_s(tokens, context_pairs(0, tokens), 0, 0), rel=0.02)
     assert fitted.step_s(0, 0, 4, 256) == pytest.approx(truth.step_s(0, 0, 4, 256), rel=0.02)
     assert quality["contended_median_relative_error"] < 0.01
-    assert quality["mean_busy_fraction"] == pytest.approx(0.25)
+    assert quality["mean_busy_instances"] == pytest.approx(0.25)
     # Alone, the steps say nothing of contention.
     (steps_dir / "generation-0.jsonl").unlink()
     alone, _ = deployed._fit_contended(deployed._logged_steps(steps_dir), as_profile)
