@@ -22,7 +22,7 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    mean step of each shape, slow steps included, since a queue waits for those too) together with
    how much the instances slow each other (`contention`: the steps' time over the model's, against
    the number of the other instances whose logged steps cover the step's start; the model is
-   refitted to the steps with that share taken out, until the slope settles), and records their
+   refitted to the steps with it taken out, until the slope settles), and records their
    spread around the whole (`step_time_ratios`).
 4. The control path, from the router's timelines set against the step logs and the load's own
    records (loaded passes): `rpc_latency_s`, the mean of the median ways of a call, a submit's way
@@ -342,9 +342,9 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
 
 def _coefficients(profile: StepProfile) -> dict[str, float]:
     """The step model's coefficients (worker/profiler.py COLUMNS) of `profile`."""
-    names = ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
-             "decode_s_per_context_token", "context_step_s")
-    return {name: getattr(profile, name) for name in names}
+    from worker.profiler import COLUMNS
+
+    return {name: getattr(profile, name) for name in COLUMNS}
 
 
 def _modelled(profile: StepProfile, sample: Any) -> float:
