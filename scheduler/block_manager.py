@@ -19,13 +19,17 @@ blocks, no variable-window attention).
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from enum import Enum
 
-from scheduler.block_hash import memoise_prompt_chains, prompt_chain
+from scheduler.block_hash import (
+    PrefixEvent,
+    PrefixEventKind,
+    prompt_blocks,
+    prompt_chain,
+    prompt_stored_events,
+)
 from scheduler.errors import BlockAccountingError, InvalidFieldError, OutOfBlocksError
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -86,59 +90,6 @@ class BlockManagerConfig:
             else 0
         )
         return self.max_attention_window + self.sink_token_len + extra
-
-
-class PrefixEventKind(Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-
-
-# Slots: one is built for every published and every evicted block, and a slotted one builds in
-# 60 % of the time.
-@dataclass(frozen=True, slots=True)
-class PrefixEvent:
-    kind: PrefixEventKind
-    block_hash: int
-
-
-def _stored_events_of(chain: tuple[int, ...]) -> tuple[PrefixEvent, ...]:
-    """The STORED events of a prompt's blocks (by its chain). Frozen: memoised, every manager that
-    publishes the prompt shares them."""
-    return tuple([PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in chain])
-
-
-def _blocks_of(full_blocks: tuple[int, ...], tokens_per_block: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """A prompt's full blocks as tuples (the reuse tree's keys) and their in-process chain hashes (its
-    dict keys). Memoised, the managers that cut the same prompt share them (and their trees the same
-    key tuples)."""
-    # zip over one iterator `tpb` times takes the tokens tpb at a time (no slice and tuple per block).
-    tokens = iter(full_blocks)
-    keys = tuple(zip(*([tokens] * tokens_per_block), strict=True))
-    digests = []
-    chain = 0
-    for key in keys:
-        chain = hash((chain, key))  # deterministic for ints; only ever used in-process
-        digests.append(chain)
-    return keys, tuple(digests)
-
-
-_stored_events: Callable[[tuple[int, ...]], tuple[PrefixEvent, ...]] = _stored_events_of
-_prompt_blocks: Callable[[tuple[int, ...], int], tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]] = _blocks_of
-
-
-def memoise_prompts(max_prompts: int) -> None:
-    """Keep, for the last `max_prompts` prompts seen in this process, their block hash chain
-    (scheduler/block_hash.py), reuse-tree keys and STORED events (0: keep none, the default). For a
-    process where several managers (and a router) cut and hash the same prompts: the simulator, whose
-    every request's prefill and generation instances publish its prompt (`build_instances` turns it
-    on). An engine sees each prompt once: a memo would only hold memory. A new memo each call."""
-    global _stored_events, _prompt_blocks
-    memoise_prompt_chains(max_prompts)
-    if max_prompts > 0:
-        _stored_events = functools.lru_cache(maxsize=max_prompts)(_stored_events_of)
-        _prompt_blocks = functools.lru_cache(maxsize=max_prompts)(_blocks_of)
-    else:
-        _stored_events, _prompt_blocks = _stored_events_of, _blocks_of
 
 
 class _ReuseNode:
@@ -366,7 +317,7 @@ class BlockManager:
         if keys is None:
             tpb = self.tokens_per_block
             prompt_len = request.prompt_len
-            keys, request.block_digests = _prompt_blocks(tuple(request.tokens[0][: prompt_len - prompt_len % tpb]), tpb)
+            keys, request.block_digests = prompt_blocks(tuple(request.tokens[0][: prompt_len - prompt_len % tpb]), tpb)
             request.block_keys = keys
         return keys
 
@@ -590,7 +541,7 @@ class BlockManager:
                     if chain is None:
                         # The chain of the request's own prompt: a node's parents are its blocks.
                         chain = prompt_chain(tuple(request.tokens[0][: request.prompt_len]), self.tokens_per_block, lora)
-                        stored_events = _stored_events(chain)
+                        stored_events = prompt_stored_events(chain)
                     node.digest = chain[index]
                     events.append(stored_events[index])
             parent = node

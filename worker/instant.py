@@ -24,8 +24,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.block_hash import block_hash_chain
-from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from scheduler.block_hash import PrefixEvent, PrefixEventKind, block_hash_chain
 from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.ids import new_transfer_id

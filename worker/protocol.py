@@ -13,7 +13,7 @@ What crosses:
   and `Unavailable` (the instance is stopped, draining or its loop died);
 - inside them: SubmitRequest (with worker/sampling.py's SamplingParams), RequestOutput (with
   worker/sampler_types.py's SampleLogprobs), StateEvent, RequestError, ReservationNotice,
-  PushResult, EngineLoad (with scheduler/block_manager.py's PrefixEvent). Those dataclasses travel as
+  PushResult, EngineLoad (with scheduler/block_hash.py's PrefixEvent). Those dataclasses travel as
   they are: msgspec encodes dataclasses and runs their `__post_init__` checks on decode. PrefixEvent
   stays in scheduler/ because that package is standard library only.
 
@@ -37,8 +37,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from scheduler.block_hash import BLOCK_HASH_BYTES
-from scheduler.block_manager import PrefixEvent
+from scheduler.block_hash import BLOCK_HASH_BYTES, PrefixEvent
 from scheduler.config import NamedEnum
 from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout

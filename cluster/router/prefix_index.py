@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from enum import Enum
 
 from cluster.router.snapshot import InstanceSnapshot
-from scheduler.block_manager import PrefixEventKind
+from scheduler.block_hash import PrefixEventKind
 
 logger = logging.getLogger(__name__)
 

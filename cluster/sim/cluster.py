@@ -35,7 +35,7 @@ from cluster.sim.instance import SimInstance, SimNetwork
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkModel, Network
 from cluster.sim.profile import StepProfile
 from cluster.sim.vclock import run_virtual
-from scheduler.block_manager import memoise_prompts
+from scheduler.block_hash import memoise_prompts
 from worker.engine_types import EngineConfig
 from worker.kv_transfer.faults import FaultInjector
 from worker.tokenizer import ByteTokenizer
@@ -43,7 +43,7 @@ from worker.tokenizer import ByteTokenizer
 logger = logging.getLogger(__name__)
 
 SIM_VOCAB_SIZE = 32000
-PROMPT_MEMO = 8192  # prompts whose block keys, hashes and events are kept (scheduler/block_manager.py memoise_prompts)
+PROMPT_MEMO = 8192  # prompts whose block keys, hashes and events are kept (scheduler/block_hash.py memoise_prompts)
 DEFAULT_RPC_LATENCY_S = 0.5e-3  # a Ray actor call on one host, where no profile measured it
 
 

@@ -450,7 +450,7 @@ def test_a_request_the_kv_pool_can_never_hold_is_refused_at_submission(default_m
 def test_a_handed_over_prompt_is_published_after_its_first_token_and_step_not_before(default_model, corpus) -> None:
     """Publishing a prompt to the prefix cache hashes every block: the generation side publishes a
     received prompt after the step that decodes its next token, never between the two tokens."""
-    from scheduler.block_manager import PrefixEventKind
+    from scheduler.block_hash import PrefixEventKind
 
     def stored(engine: Engine) -> int:
         return sum(1 for event in engine.load().prefix_events if event.kind is PrefixEventKind.STORED)

@@ -35,8 +35,7 @@ from cluster.router.placement import (
 from cluster.router.prefix_index import PrefixIndex
 from cluster.router.snapshot import InstanceSnapshot
 from cluster.router.state import Route
-from scheduler.block_hash import block_hash_chain
-from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from scheduler.block_hash import PrefixEvent, PrefixEventKind, block_hash_chain
 from worker.protocol import EngineLoad, InstanceRole
 
 TPB = 16

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from scheduler.block_hash import PrefixEvent, PrefixEventKind
 from scheduler.state import LlmRequestState
 from worker.kv_layout import KvLayout
 from worker.kv_transfer.certificates import DeploymentCa

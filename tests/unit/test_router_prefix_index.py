@@ -7,8 +7,7 @@ from hypothesis import strategies as st
 
 from cluster.router.prefix_index import ApplyOutcome, PrefixIndex
 from cluster.router.snapshot import InstanceSnapshot
-from scheduler.block_hash import block_hash_chain
-from scheduler.block_manager import PrefixEvent, PrefixEventKind
+from scheduler.block_hash import PrefixEvent, PrefixEventKind, block_hash_chain
 from worker.protocol import EngineLoad, InstanceRole
 
 STORED = PrefixEventKind.STORED

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from scheduler import block_manager
-from scheduler.block_hash import block_hash_chain
-from scheduler.block_manager import BlockManager, BlockManagerConfig, PrefixEventKind, memoise_prompts
+from scheduler import block_hash
+from scheduler.block_hash import PrefixEventKind, block_hash_chain, memoise_prompts
+from scheduler.block_manager import BlockManager, BlockManagerConfig
 from scheduler.capacity import MaxUtilizationScheduler
 from scheduler.chunking import chunk_contexts
 from scheduler.config import (
@@ -570,6 +570,6 @@ def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain(prompt_memo) ->
         assert list(kv._keys(request)) == expected_keys and list(kv._digests(request)) == expected_digests
         published.append(kv.drain_events())
     assert published[0] == published[1] and [e.block_hash for e in published[0]] == block_hash_chain(prompt, 4)[:9]
-    assert block_manager._prompt_blocks.cache_info().hits >= 1
+    assert block_hash._prompt_blocks.cache_info().hits >= 1
     longer = LlmRequest("s", prompt + [1, 2, 3, 4, 5], 4)
     assert list(managers[0]._keys(longer)) == expected_keys + [(86, 87, 88, 1), (2, 3, 4, 5)]
