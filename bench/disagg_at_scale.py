@@ -92,7 +92,7 @@ def _split(label: str) -> int:
 
 
 def _plot(results: dict[str, dict], instances: int, path: Path) -> Path:
-    from cluster.loadgen.plots import _pyplot
+    from cluster.loadgen.plots import _pyplot, save_figure
 
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7.5, 4))
@@ -112,10 +112,7 @@ def _plot(results: dict[str, dict], instances: int, path: Path) -> Path:
     axis.set_ylim(bottom=0)
     axis.set_title(f"{instances} x H100 (roofline), Llama 3 8B, TTFT <= 1 s and TPOT <= 50 ms for 90 %", fontsize=9)
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, dpi=110)
 
 
 def main() -> int:

@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         real = {}
         started = time.perf_counter()
         for result in results:
-            split = result.candidate.label.split(" ")[0] if result.candidate.num_prefill else f"{INSTANCES}MIXED"
+            candidate = result.candidate
+            split = f"{candidate.num_prefill}P:{candidate.num_generation}D" if candidate.num_prefill else f"{INSTANCES}MIXED"
             progress(f"{mix} {split}: real runs at {rates} req/s ...")
-            goodput, attainments = real_goodput(result.candidate.config(base), workload, rates, args.seed)
-            real[result.candidate] = goodput
+            goodput, attainments = real_goodput(candidate.config(base), workload, rates, args.seed)
+            real[candidate] = goodput
             figures[f"{mix}_{split}_sim_rate_per_s"] = round(result.max_rate_per_s, 3)
             figures[f"{mix}_{split}_real_goodput_per_s"] = goodput
             figures[f"{mix}_{split}_real_attainment"] = [round(a, 3) for a in attainments]

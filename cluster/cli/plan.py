@@ -106,7 +106,7 @@ def _workload(args: argparse.Namespace) -> WorkloadConfig:
 
 
 def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Path) -> Path:
-    from cluster.loadgen.plots import _pyplot
+    from cluster.loadgen.plots import _pyplot, save_figure
 
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 3.8))
@@ -124,10 +124,7 @@ def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Pat
     axis.set_ylabel("goodput per instance (req/s)")
     axis.set_title(f"duet plan: {n} instances", fontsize=10)
     axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, dpi=110)
 
 
 def _bounds(result: CandidateResult, num_instances: int) -> tuple[object, object]:

@@ -36,6 +36,14 @@ def _pyplot() -> Any:
     return plt
 
 
+def save_figure(figure: Any, path: Path, *, dpi: int = 100, rect: tuple[float, float, float, float] | None = None) -> Path:
+    """Lay `figure` out (within `rect`, leaving room for a caption), write it to `path` and free it."""
+    figure.tight_layout(rect=rect)
+    figure.savefig(path, dpi=dpi)
+    _pyplot().close(figure)
+    return path
+
+
 def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     ordered = sorted(values)
     count = len(ordered)
@@ -82,11 +90,7 @@ def plot_latency_cdf(result: PointResult, out_dir: Path, caption: str = "") -> P
     axes[0].set_ylabel("fraction of requests (ITL: of gaps)")
     figure.suptitle(f"latency CDF, {result.arrivals.label}")
     _caption(figure, f"{caption}; {result.arrivals.label}" if caption else result.arrivals.label)
-    figure.tight_layout(rect=(0, 0.06, 1, 1))
-    path = out_dir / f"latency_cdf_{_slug(result.arrivals.label)}.png"
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save_figure(figure, out_dir / f"latency_cdf_{_slug(result.arrivals.label)}.png", rect=(0, 0.06, 1, 1))
 
 
 def plot_throughput(results: Sequence[PointResult], out_dir: Path, caption: str = "") -> Path | None:
@@ -117,11 +121,7 @@ def plot_throughput(results: Sequence[PointResult], out_dir: Path, caption: str 
     right.set_ylabel("output tokens/s")
     right.grid(alpha=0.3)
     _caption(figure, caption)
-    figure.tight_layout(rect=(0, 0.06, 1, 1))
-    path = out_dir / "throughput_goodput.png"
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save_figure(figure, out_dir / "throughput_goodput.png", rect=(0, 0.06, 1, 1))
 
 
 def plot_all(results: Sequence[PointResult], out_dir: Path, caption: str = "") -> list[Path]:

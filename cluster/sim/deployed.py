@@ -305,28 +305,27 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
     the fitted profile (`as_profile(coefficients, contention)`) and the fit's quality and rounds."""
     from worker.profiler import fit
 
+    busy = [step.busy for step in steps]
+    mean_busy = statistics.fmean(busy)
+    variance = statistics.fmean([(b - mean_busy) ** 2 for b in busy])
+    def alone(contention: float) -> list[Any]:  # the steps with their contention taken out
+        return [dataclasses.replace(step.sample, step_s=step.sample.step_s / (1 + contention * step.busy)) for step in steps]
+
     contention = 0.0
     rounds = []
-    for _ in range(CONTENTION_ROUNDS):
-        alone = [dataclasses.replace(step.sample, step_s=step.sample.step_s / (1 + contention * step.busy)) for step in steps]
-        coefficients, quality = fit(alone, trim_fraction=0.0, mean=True)
+    # One instance, or never any overlap: nothing to measure, and the plain fit below is the model.
+    for _ in range(CONTENTION_ROUNDS if variance > 0 else 0):
+        coefficients, _ = fit(alone(contention), trim_fraction=0.0, mean=True)
         model = as_profile(coefficients, 0.0)
         ratios = [step.sample.step_s / _modelled(model, step.sample) for step in steps]
-        busy = [step.busy for step in steps]
-        mean_busy, mean_ratio = statistics.fmean(busy), statistics.fmean(ratios)
-        variance = statistics.fmean([(b - mean_busy) ** 2 for b in busy])
-        if variance <= 0:  # one instance, or never any overlap: nothing to measure
-            rounds.append({"contention": 0.0})
-            contention = 0.0
-            break
+        mean_ratio = statistics.fmean(ratios)
         slope = statistics.fmean([(b - mean_busy) * (r - mean_ratio) for b, r in zip(busy, ratios, strict=True)]) / variance
         intercept = mean_ratio - slope * mean_busy
         settled, contention = contention, max(0.0, slope / intercept) if intercept > 0 else 0.0
         rounds.append({"intercept": round(intercept, 4), "slope": round(slope, 4), "contention": round(contention, 4)})
         if abs(contention - settled) < CONTENTION_SETTLED:
             break
-    alone = [dataclasses.replace(step.sample, step_s=step.sample.step_s / (1 + contention * step.busy)) for step in steps]
-    coefficients, quality = fit(alone, trim_fraction=0.0, mean=True)
+    coefficients, quality = fit(alone(contention), trim_fraction=0.0, mean=True)
     profile = as_profile(coefficients, contention)
     errors = sorted(abs(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) - 1) for step in steps)
     quality = {
@@ -334,7 +333,7 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
         # The whole model's (alone x contended) error on the logged steps; the entries above are the
         # step model's on the steps with their contention taken out.
         "contended_median_relative_error": round(statistics.median(errors), 4),
-        "mean_busy_instances": round(statistics.fmean(step.busy for step in steps), 4),
+        "mean_busy_instances": round(mean_busy, 4),
         "contention_rounds": rounds,
     }
     return profile, quality
