@@ -141,6 +141,10 @@ class PagedKvCache:
         contents)."""
         self._block_index(block_ids, unique=False)
         self._check_layers(layer_start, layer_end)
+        return self._views(block_ids, layer_start, layer_end)
+
+    def _views(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> list[np.ndarray] | None:
+        """`run_views` of ids and layers already checked."""
         runs = block_runs(block_ids)
         if self.device.type != "cpu" or len(runs) > MAX_VIEW_RUNS:
             return None
@@ -169,7 +173,7 @@ class PagedKvCache:
         """Write a run exported by a compatible cache into `block_ids` (distinct ids) of layers [start, end)."""
         index = self._block_index(block_ids, unique=True)
         self._check_layers(layer_start, layer_end)
-        views = None if isinstance(data, torch.Tensor) else self.run_views(index.tolist(), layer_start, layer_end)
+        views = None if isinstance(data, torch.Tensor) else self._views(index.tolist(), layer_start, layer_end)
         if views is not None:
             # A copy per view (torch's indexed assignment costs more than the bytes at these sizes).
             source = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
