@@ -754,14 +754,17 @@ class Engine:
         return len(self._requests)
 
     def load(self) -> EngineLoad:
-        queued = running = queued_tokens = in_flight = 0
+        queued = running = queued_tokens = in_flight = pending = 0
         for llm in self._active:
-            if llm.state is S.CONTEXT_INIT and not self.blocks.has_sequence(llm.request_id):
+            state = llm.state
+            if state is S.CONTEXT_INIT and not self.blocks.has_sequence(llm.request_id):
                 queued += 1
                 queued_tokens += llm.prompt_len
             else:
                 running += 1
                 in_flight += llm.num_tokens(0)
+                if state is S.CONTEXT_INIT or state is S.DISAGG_CONTEXT_INIT_AND_TRANS:
+                    pending += llm.context_remaining_length  # a context in progress: its chunks still to run
         return EngineLoad(
             role=self.config.role,
             total_blocks=self.blocks.num_blocks,
@@ -774,4 +777,5 @@ class Engine:
             num_paused=self.num_pauses,
             prefix_events=tuple(self.blocks.drain_events()),
             num_finished=self.num_finished,
+            pending_context_tokens=queued_tokens + pending,
         )

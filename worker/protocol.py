@@ -265,7 +265,10 @@ class EngineLoad(_Message):
 
     Block counts are in the instance's KV pool; cached-but-unreferenced prefix blocks count as free.
     `queued_prompt_tokens` is the prompt demand of requests not yet admitted by the capacity scheduler;
-    `tokens_in_flight` is prompt plus generated tokens of the running requests. `prefix_events` are
+    `pending_context_tokens` the prompt tokens still to compute, theirs and the uncomputed rest of every
+    context in progress (a long prefill admitted in one step is queued for no poll at all, but pending
+    for all of its chunks); `tokens_in_flight` is prompt plus generated tokens of the running
+    requests. `prefix_events` are
     the full blocks (by scheduler/block_hash.py hash) stored in or removed from the prefix cache, in
     order.
     """
@@ -281,6 +284,7 @@ class EngineLoad(_Message):
     num_paused: int = 0
     prefix_events: tuple[PrefixEvent, ...] = ()
     num_finished: int = 0
+    pending_context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, InstanceRole):
@@ -291,7 +295,7 @@ class EngineLoad(_Message):
             raise ValueError(f"free_blocks: {self.free_blocks} exceeds total_blocks {self.total_blocks}")
         _check_counter("tokens_per_block", self.tokens_per_block, minimum=1)
         for name in ("queued_requests", "running_requests", "queued_prompt_tokens", "tokens_in_flight", "num_paused",
-                     "num_finished"):
+                     "num_finished", "pending_context_tokens"):
             _check_counter(name, getattr(self, name))
         if not isinstance(self.prefix_events, tuple):
             raise ValueError("prefix_events: expected a tuple of PrefixEvent")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="simulated seconds of arrivals per probe (default: 30, or 3 lives of a request under the SLOs when "
                         "longer; quick 5); --num-requests sizes the pool that probes repeat")
     search.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the workload and arrival times")
+    search.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="candidates searched at once, each in a process of its own (default: the CPUs this process may "
+                        "use; each holds one simulation in memory); the best split and its rate do not depend on it")
     output = parser.add_argument_group("output")
     output.add_argument("--out", default=None, metavar="DIR", help="plan.json, plan.png, best-cluster.yaml (default ./plan-results/<time>)")
     output.add_argument("--no-plots", action="store_true", help="write no plan.png")
@@ -144,6 +148,13 @@ def cluster_yaml(config: ClusterConfig) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one: a container's or a Ray job's share)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.instances is None or not args.instances.isdigit() or int(args.instances) < 2:
@@ -151,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.attainment <= 1:
         raise CliError("--attainment: a share in (0, 1]", EXIT_USAGE)
     num_instances = int(args.instances)
+    if args.jobs is not None and args.jobs < 1:
+        raise CliError("--jobs: the number of candidates to search at once, an integer >= 1", EXIT_USAGE)
+    jobs = args.jobs if args.jobs is not None else _usable_cpus()
     try:
         slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     except SloError as error:
@@ -182,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = plan(
         base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
-        duration_s=duration_s, prune=not args.every_maximum,
+        duration_s=duration_s, prune=not args.every_maximum, jobs=jobs,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     elapsed_s = time.perf_counter() - started
@@ -225,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         "window_s": duration_s,
         "request_life_s": round(life_s, 3),
         "simulations": sum(len(r.probes) for r in results),
+        "jobs": jobs,
         "wall_s": round(elapsed_s, 2),
         "cluster_yaml": str(yaml_path),
     }

@@ -428,16 +428,19 @@ class SimInstance:
 
     def load(self) -> EngineLoad:
         """worker/engine.py Engine.load, computed the same way."""
-        queued = queued_tokens = in_flight = 0
+        queued = queued_tokens = in_flight = pending = 0
         blocks = self.blocks
         sequences = blocks.sequences  # has_sequence, without a call per request (every poll walks them all)
         active = self._active
         for llm in active:
-            if llm.state is _CONTEXT_INIT and llm.request_id not in sequences:
+            state = llm.state
+            if state is _CONTEXT_INIT and llm.request_id not in sequences:
                 queued += 1
                 queued_tokens += llm.prompt_len
             else:
                 in_flight += len(llm.tokens[0])
+                if state is _CONTEXT_INIT or state is _CONTEXT_INIT_AND_TRANS:
+                    pending += llm.context_remaining_length
         running = len(active) - queued
         return EngineLoad(
             role=self.role,
@@ -451,6 +454,7 @@ class SimInstance:
             num_paused=self.stats.pauses,
             prefix_events=tuple(blocks.drain_events()),
             num_finished=self.stats.finished,
+            pending_context_tokens=queued_tokens + pending,
         )
 
     def _event(self, request_id: str, state: LlmRequestState, detail: str = "") -> None:

@@ -27,8 +27,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import msgspec
@@ -336,6 +338,7 @@ def plan(
     attainment: float = 0.9,
     duration_s: float = 30.0,
     prune: bool = True,
+    jobs: int = 1,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[CandidateResult]:
     """Every candidate's search; the best is the one with the highest goodput per instance (all
@@ -343,27 +346,81 @@ def plan(
     at the best rate found so far and searched further only if it sustains it: the best and its
     rate are those of searching every candidate to its own maximum (a pass at a rate is taken to
     mean a pass at every lower one, as the bisection takes it), and a candidate left below the
-    rate to beat costs one probe (which an overload ends early) instead of a whole search."""
+    rate to beat costs one probe (which an overload ends early) instead of a whole search.
+
+    `jobs` > 1 searches that many candidates at once, each in a worker process of its own (the
+    simulations are pure Python: threads would share one interpreter lock). Candidate i is then
+    pruned against the best of candidates 0 .. i - jobs, the ones certain to be done when it starts
+    in order, and it waits for them: the results do not depend on the workers' timing, with one job
+    they are those of the sequential search, and the best and its rate do not depend on `jobs` at
+    all (pruning never changes them; how far a candidate below the best was searched may)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    todo = candidates(num_instances, policies)
     # One rate to start every search from: an instance's share of a modest rate, so that the
     # doubling phase is short for every candidate.
     start = max(0.25, num_instances / 4)
-    results = []
-    best_rate = 0.0
-    for candidate in candidates(num_instances, policies):
-        started = time.perf_counter()
-        result = search(
-            candidate, base, settings, requests, slo, attainment=attainment, start_rate_per_s=start, duration_s=duration_s,
-            beat_rate_per_s=best_rate if prune and best_rate > 0 else None,
-        )
+    options = {"attainment": attainment, "start_rate_per_s": start, "duration_s": duration_s}
+    results: list[CandidateResult | None] = [None] * len(todo)
+
+    def settled(index: int) -> list[CandidateResult | None]:
+        """The results candidate `index` is pruned against: those of candidates 0 .. index - jobs."""
+        return results[: max(0, index - jobs + 1)]
+
+    def rate_to_beat(index: int) -> float | None:
+        rate = max((r.max_rate_per_s for r in settled(index) if r is not None), default=0.0)
+        return rate if prune and rate > 0 else None
+
+    def report(result: CandidateResult, elapsed_s: float) -> None:
         found = (
             f"below {result.below_rate_per_s:.3g} req/s (the best so far)" if result.below_rate_per_s is not None
             else f"at least {result.max_rate_per_s:.3g} req/s within the SLOs (every rate tried passed)" if result.unbounded
             else f"{result.max_rate_per_s:.3g} req/s within the SLOs"
         )
-        progress(f"{candidate.label}: {found} ({len(result.probes)} simulations, {time.perf_counter() - started:.1f}s)")
-        results.append(result)
-        best_rate = max(best_rate, result.max_rate_per_s)
-    return results
+        progress(f"{result.candidate.label}: {found} ({len(result.probes)} simulations, {elapsed_s:.1f}s)")
+
+    if jobs == 1 or len(todo) == 1:
+        for index, candidate in enumerate(todo):
+            started = time.perf_counter()
+            results[index] = search(candidate, base, settings, requests, slo, beat_rate_per_s=rate_to_beat(index), **options)
+            report(results[index], time.perf_counter() - started)
+        return results  # type: ignore[return-value]  # every slot is filled
+
+    # spawn, not fork: the caller may hold threads (a progress bar, an event loop), which fork copies
+    # mid-state. The shared inputs go to each worker once, not with every candidate.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=min(jobs, len(todo)), mp_context=context, initializer=_init_worker,
+        initargs=(base, settings, tuple(requests), slo, options),
+    ) as pool:
+        running: dict[Future[CandidateResult], tuple[int, float]] = {}
+        next_index = 0
+        while next_index < len(todo) or running:
+            while next_index < len(todo) and len(running) < jobs and all(r is not None for r in settled(next_index)):
+                future = pool.submit(_search_in_worker, todo[next_index], rate_to_beat(next_index))
+                running[future] = (next_index, time.perf_counter())
+                next_index += 1
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                index, started = running.pop(future)
+                results[index] = future.result()
+                report(results[index], time.perf_counter() - started)
+    return results  # type: ignore[return-value]
+
+
+# A worker process's share of a parallel plan: what every candidate's search takes (set once per worker).
+_worker_inputs: tuple[ClusterConfig, SimSettings, tuple[BenchRequest, ...], Slo, dict] | None = None
+
+
+def _init_worker(base: ClusterConfig, settings: SimSettings, requests: tuple[BenchRequest, ...], slo: Slo, options: dict) -> None:
+    global _worker_inputs
+    _worker_inputs = (base, settings, requests, slo, options)
+
+
+def _search_in_worker(candidate: Candidate, beat_rate_per_s: float | None) -> CandidateResult:
+    assert _worker_inputs is not None, "a plan worker runs only under plan()'s pool"
+    base, settings, requests, slo, options = _worker_inputs
+    return search(candidate, base, settings, requests, slo, beat_rate_per_s=beat_rate_per_s, **options)
 
 
 def best(results: Sequence[CandidateResult]) -> CandidateResult:

@@ -62,12 +62,14 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._now_s += seconds
 
 
-# While a simulation runs, full (oldest-generation) garbage collections are put off: a large
-# simulated cluster holds millions of long-lived objects (every instance's prefix tree), and each
-# full collection walks them all. (A stack sample of a 256-instance run showed 68 % of samples at
-# one allocation site, which is how full collections look; the gain was not measured cleanly on the
-# shared machine.) Young collections go on (asyncio's short-lived cycles), and the thresholds are
-# restored afterwards.
+# While a simulation runs, the cyclic garbage collector runs rarely: a large simulated cluster holds
+# millions of long-lived objects (every instance's prefix tree, every request in flight), and each
+# collection walks those of its generation. Young collections come after a million net allocations
+# instead of 700 (asyncio's short-lived cycles are still collected, so memory stays bounded), full
+# ones are put off. bench/sim_scale.py at 20,000 requests, 256 instances: 66.4 s of CPU with
+# Python's thresholds, 57.4 s with these, 56.4 s with the collector off, the same peak memory
+# (1.41 GB) and the same records digest in all three. The thresholds are restored afterwards.
+YOUNG_COLLECTION_THRESHOLD = 1_000_000
 DEFERRED_FULL_COLLECTION_THRESHOLD = 1_000_000
 
 
@@ -75,7 +77,7 @@ def run_virtual(main: Coroutine[Any, Any, T], *, start_s: float = 0.0) -> T:
     """Run `main` to completion on a fresh VirtualTimeLoop (as `asyncio.run` does on a real one)."""
     loop = VirtualTimeLoop(start_s)
     thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1], DEFERRED_FULL_COLLECTION_THRESHOLD)
+    gc.set_threshold(max(thresholds[0], YOUNG_COLLECTION_THRESHOLD), thresholds[1], DEFERRED_FULL_COLLECTION_THRESHOLD)
     try:
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(main)

@@ -50,6 +50,7 @@ def snap(
     free: int = 1000,
     running: int = 0,
     queued_tokens: int = 0,
+    pending_tokens: int = 0,
     stored: tuple[int, ...] = (),
 ) -> InstanceSnapshot:
     load = EngineLoad(
@@ -63,6 +64,7 @@ def snap(
         tokens_in_flight=0,
         num_paused=0,
         prefix_events=tuple(PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in stored),
+        pending_context_tokens=pending_tokens,
     )
     return InstanceSnapshot(instance_id, load)
 
@@ -141,6 +143,20 @@ def test_kv_aware_cost_terms():
     )
     assert (cost.uncached_prompt_blocks, cost.active_prefill_blocks, cost.decode_blocks) == (2, 3, 313)
     assert cost.cost == 2.0 * (2 + 3) + 313
+
+
+def test_kv_aware_counts_the_contexts_in_progress_not_only_the_queued_ones():
+    # Two PREFILL instances with nothing queued: "a" computes a 2,048-token context admitted in one
+    # step (512 tokens done: 1,536 pending = 96 blocks), "b" nothing. Counting the queue alone, both
+    # cost the request's 10 uncached blocks and the tie goes to "a", the busy one.
+    req = request(prompt_tokens=160)
+    busy = cand("a", InstanceRole.PREFILL, running=1, pending_tokens=1536)
+    placement = KvAware().choose(req, [busy, cand("b", InstanceRole.PREFILL)], {})
+    assert placement.instance_id == "b"
+    assert dict(placement.scores) == {"a": 10 + 96, "b": 10}
+    # The pending count includes the queue; an instance that reports none is charged its queue.
+    assert KvAware().cost(req, snap("c", queued_tokens=40).load, 0).active_prefill_blocks == 3
+    assert KvAware().cost(req, snap("c", queued_tokens=40, pending_tokens=200).load, 0).active_prefill_blocks == 13
 
 
 def test_kv_aware_prefill_instance_is_charged_compute_not_memory():

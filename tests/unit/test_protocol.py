@@ -324,7 +324,7 @@ def test_every_required_load_field_is_required(key):
 
 
 COUNTERS = ["total_blocks", "free_blocks", "tokens_per_block", "queued_requests", "running_requests",
-            "queued_prompt_tokens", "tokens_in_flight", "num_paused", "num_finished"]
+            "queued_prompt_tokens", "tokens_in_flight", "num_paused", "num_finished", "pending_context_tokens"]
 
 
 @pytest.mark.parametrize("key", COUNTERS)
@@ -469,6 +469,7 @@ def loads(draw) -> EngineLoad:
             draw(st.lists(st.builds(PrefixEvent, st.sampled_from(PrefixEventKind), st.integers(0, MAX_BLOCK_HASH)), max_size=8))
         ),
         num_finished=draw(counters),
+        pending_context_tokens=draw(counters),
     )
 
 

@@ -223,3 +223,60 @@ def test_a_request_no_pool_can_hold_is_refused_at_once_not_left_waiting() -> Non
     # Refused at submission, not after the context stage's timeout (600 s by default).
     assert outcome.virtual_s < 5
     _check_invariants(outcome)
+
+
+def _load_figures(load) -> tuple[int, ...]:
+    return (load.queued_requests, load.running_requests, load.queued_prompt_tokens, load.pending_context_tokens,
+            load.tokens_in_flight, load.free_blocks)
+
+
+def test_a_simulated_instance_reports_the_load_the_engine_does_after_every_step(default_model) -> None:
+    """The router places by these (cluster/router/placement.py): a context in progress is pending
+    for every chunk still to run, though no longer queued."""
+    from worker.engine import Engine
+    from worker.profiler import _BatchRecorder
+
+    config = _engine_config(max_num_requests=3, max_num_tokens=32, chunk_unit_tokens=16)  # prompts of 58-108 tokens: several steps each; the rest wait
+    model, tokenizer = default_model
+    box = []
+
+    def factory(m, cache):
+        box.append(_BatchRecorder(m, cache))
+        return box[-1]
+
+    def submits():
+        for index, prompt in enumerate(_prompts()):
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, seed=index)
+            yield SubmitRequest(f"r{index}", prompt, params, RequestType.CONTEXT_AND_GENERATION)
+
+    engine = Engine(model, tokenizer, config, runner_factory=factory)
+    for submit in submits():
+        engine.add_request(submit)
+    engine_loads = []
+    while engine.num_requests:
+        box[0].last = None
+        engine.step()
+        if box[0].last is not None:
+            engine_loads.append(_load_figures(engine.load()))
+
+    async def main():
+        instance = SimInstance("m", config, PROFILE, SimNetwork(Network(DATA_PLANES["grpc-25gbe"])), rpc_latency_s=0.0)
+        loads = []
+        complete = instance._complete
+
+        def recorded(schedule):
+            complete(schedule)
+            loads.append(_load_figures(instance.load()))
+
+        instance._complete = recorded
+        for submit in submits():
+            await instance.submit(submit)
+        while instance.num_requests:
+            await asyncio.sleep(0.01)
+        return loads
+
+    sim_loads = run_virtual(main())
+    assert sim_loads == engine_loads
+    queued, pending = 2, 3
+    assert any(figures[pending] > figures[queued] for figures in engine_loads)  # contexts in progress, counted
+    assert engine_loads[-1][pending] == 0

@@ -4,6 +4,7 @@ model, trace replay in the Azure format, and the `duet sim` command line."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from pathlib import Path
 
@@ -309,17 +310,32 @@ def test_the_window_continues_the_pool_with_copies_that_share_no_prefix() -> Non
     assert all(copy.prompt[0] != original.prompt[0] for copy, original in zip(window[40:80], pool, strict=True))
 
 
-def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> None:
+@functools.cache
+def _search_case() -> tuple:
+    """The plan case with outputs long and SLOs tight enough that every candidate's maximum is well
+    below the search's doubling limit (3 instances, round robin)."""
     from cluster.loadgen.metrics import Slo
     from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload
-    from cluster.sim.plan import best, plan
 
     base, _config, settings, _pool, _slo = _plan_case()
-    # Outputs long and SLOs tight enough that every candidate's maximum is well below the search's
-    # doubling limit.
     pool = build_workload(WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=40, input_len=64, output_len=48), 0)
-    slo = Slo(ttft_ms=300, tpot_ms=50)
-    runs = {prune: plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, prune=prune) for prune in (True, False)}
+    return base, settings, pool, Slo(ttft_ms=300, tpot_ms=50)
+
+
+@functools.cache
+def _sequential_plan() -> list:
+    """The search case's plan, pruned, one candidate at a time (shared by the tests that compare with it)."""
+    from cluster.sim.plan import plan
+
+    base, settings, pool, slo = _search_case()
+    return plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0)
+
+
+def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> None:
+    from cluster.sim.plan import best, plan
+
+    base, settings, pool, slo = _search_case()
+    runs = {True: _sequential_plan(), False: plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, prune=False)}
     assert all(max(p.rate_per_s for p in r.probes) < 0.75 * 2**11 for r in runs[False])
     pruned, exhaustive = best(runs[True]), best(runs[False])
     assert (pruned.candidate, pruned.max_rate_per_s) == (exhaustive.candidate, exhaustive.max_rate_per_s)
@@ -365,3 +381,22 @@ def test_a_probe_window_holds_several_lives_of_a_request_and_a_shorter_one_is_wa
     assert "shorter than 3 lives of a request" in err and "overstates" in err
     document = json.loads((tmp_path / "plan.json").read_text())
     assert document["window_s"] == 1.0 and document["request_life_s"] == pytest.approx(2.0 + 0.5 * 7)
+
+
+def test_a_parallel_plan_finds_the_sequential_best_and_repeats_itself() -> None:
+    from cluster.sim.plan import best, plan
+
+    base, settings, pool, slo = _search_case()
+    sequential = _sequential_plan()
+    parallel, again = (plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, jobs=2) for _ in range(2))
+    assert (best(parallel).candidate, best(parallel).max_rate_per_s) == (best(sequential).candidate, best(sequential).max_rate_per_s)
+    assert parallel == again  # every probe of every candidate: the workers' timing changes nothing
+    assert [r.candidate for r in parallel] == [r.candidate for r in sequential]  # in candidate order
+    assert parallel[0] == sequential[0]
+    # Two at once: the second candidate starts before the first is done, so it has no rate to beat
+    # and is searched from the start to its own maximum; the third is pruned against the first alone.
+    assert parallel[1].below_rate_per_s is None and parallel[1].probes[0].rate_per_s == parallel[0].probes[0].rate_per_s
+    assert parallel[1].max_rate_per_s == sequential[1].max_rate_per_s > parallel[0].max_rate_per_s
+    assert parallel[2].below_rate_per_s == parallel[0].max_rate_per_s and len(parallel[2].probes) == 1
+    with pytest.raises(ValueError, match="jobs"):
+        plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, jobs=0)
