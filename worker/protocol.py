@@ -48,7 +48,8 @@ from worker.sampling import SamplingParams
 from worker.stopping import FinishReason
 
 # 2: msgspec Structs in a versioned envelope (1 was a hand-written msgpack map per message).
-PROTOCOL_VERSION = 3
+# 4: EngineLoad.pending_context_tokens (a version-3 peer would refuse it as an unknown field).
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Counters travel as msgpack integers; bounding them by int64 keeps every peer's decoder happy.
 MAX_COUNTER = 2**63 - 1
