@@ -28,9 +28,10 @@ import asyncio
 import dataclasses
 import math
 import multiprocessing
+import queue
+import signal
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import msgspec
@@ -387,24 +388,33 @@ def plan(
         return results  # type: ignore[return-value]  # every slot is filled
 
     # spawn, not fork: the caller may hold threads (a progress bar, an event loop), which fork copies
-    # mid-state. The shared inputs go to each worker once, not with every candidate.
+    # mid-state. The shared inputs go to each worker once, not with every candidate. A Pool, not a
+    # ProcessPoolExecutor: leaving the block for any reason (Ctrl-C, a candidate's error) terminates
+    # the workers at once instead of waiting for the simulations they run, which take minutes at
+    # scale; the workers ignore SIGINT, so a terminal's Ctrl-C reaches this process alone.
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        max_workers=min(jobs, len(todo)), mp_context=context, initializer=_init_worker,
-        initargs=(base, settings, tuple(requests), slo, options),
+    finished: queue.SimpleQueue[tuple[int, CandidateResult | None, BaseException | None]] = queue.SimpleQueue()
+    with context.Pool(
+        processes=min(jobs, len(todo)), initializer=_init_worker, initargs=(base, settings, tuple(requests), slo, options),
     ) as pool:
-        running: dict[Future[CandidateResult], tuple[int, float]] = {}
+        running: dict[int, float] = {}  # candidate index -> when its search started
         next_index = 0
         while next_index < len(todo) or running:
             while next_index < len(todo) and len(running) < jobs and all(r is not None for r in settled(next_index)):
-                future = pool.submit(_search_in_worker, todo[next_index], rate_to_beat(next_index))
-                running[future] = (next_index, time.perf_counter())
+                index = next_index
+                pool.apply_async(
+                    _search_in_worker, (todo[index], rate_to_beat(index)),
+                    callback=lambda result, index=index: finished.put((index, result, None)),
+                    error_callback=lambda error, index=index: finished.put((index, None, error)),
+                )
+                running[index] = time.perf_counter()
                 next_index += 1
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                index, started = running.pop(future)
-                results[index] = future.result()
-                report(results[index], time.perf_counter() - started)
+            index, result, error = finished.get()
+            if error is not None:
+                raise error
+            started = running.pop(index)
+            results[index] = result
+            report(result, time.perf_counter() - started)
     return results  # type: ignore[return-value]
 
 
@@ -414,6 +424,7 @@ _worker_inputs: tuple[ClusterConfig, SimSettings, tuple[BenchRequest, ...], Slo,
 
 def _init_worker(base: ClusterConfig, settings: SimSettings, requests: tuple[BenchRequest, ...], slo: Slo, options: dict) -> None:
     global _worker_inputs
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
     _worker_inputs = (base, settings, requests, slo, options)
 
 
