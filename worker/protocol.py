@@ -298,6 +298,11 @@ class EngineLoad(_Message):
         for name in ("queued_requests", "running_requests", "queued_prompt_tokens", "tokens_in_flight", "num_paused",
                      "num_finished", "pending_context_tokens"):
             _check_counter(name, getattr(self, name))
+        if self.pending_context_tokens < self.queued_prompt_tokens:
+            raise ValueError(
+                f"pending_context_tokens: {self.pending_context_tokens} is less than queued_prompt_tokens "
+                f"{self.queued_prompt_tokens}, which it includes"
+            )
         if not isinstance(self.prefix_events, tuple):
             raise ValueError("prefix_events: expected a tuple of PrefixEvent")
         for event in self.prefix_events:

@@ -334,13 +334,12 @@ class KvAware(_Chooser):
         tokens_per_block = load.tokens_per_block
         prompt_blocks = -(-request.prompt_tokens // tokens_per_block)
         uncached = prompt_blocks - cached if prompt_blocks > cached else 0
-        # Queued prompts alone would leave a context admitted in one step (the common case) out of
-        # every report while its chunks run: that instance looks idle, and the lowest-id of the
-        # idle-looking ones takes every request (bench/sim_scale.py: of 64 PREFILL instances some ran
-        # no step at all while one computed 4x the median, TTFT p50 0.54 s at 70 % of capacity).
-        # The larger of the two: an instance that reports no pending count counts its queue.
-        pending = load.pending_context_tokens
-        active_prefill = -(-(pending if pending > load.queued_prompt_tokens else load.queued_prompt_tokens) // tokens_per_block)
+        # Pending, not queued: queued prompts alone would leave a context admitted in one step (the
+        # common case) out of every report while its chunks run; that instance looks idle, and the
+        # lowest-id of the idle-looking ones takes every request (bench/sim_scale.py: of 64 PREFILL
+        # instances some ran no step at all while one computed 4x the median, TTFT p50 0.54 s at
+        # 70 % of capacity). The pending count includes the queue (EngineLoad refuses less).
+        active_prefill = -(-load.pending_context_tokens // tokens_per_block)
         if load.role is InstanceRole.PREFILL:
             # A prefill instance decodes nothing: what it holds is KV waiting to be handed over,
             # soon freed. Only charge memory when the prompt would not fit right now.

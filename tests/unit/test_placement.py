@@ -50,7 +50,7 @@ def snap(
     free: int = 1000,
     running: int = 0,
     queued_tokens: int = 0,
-    pending_tokens: int = 0,
+    pending_tokens: int | None = None,  # None: the queue alone is pending
     stored: tuple[int, ...] = (),
 ) -> InstanceSnapshot:
     load = EngineLoad(
@@ -64,7 +64,7 @@ def snap(
         tokens_in_flight=0,
         num_paused=0,
         prefix_events=tuple(PrefixEvent(PrefixEventKind.STORED, block_hash) for block_hash in stored),
-        pending_context_tokens=pending_tokens,
+        pending_context_tokens=queued_tokens if pending_tokens is None else pending_tokens,
     )
     return InstanceSnapshot(instance_id, load)
 
@@ -154,7 +154,7 @@ def test_kv_aware_counts_the_contexts_in_progress_not_only_the_queued_ones():
     placement = KvAware().choose(req, [busy, cand("b", InstanceRole.PREFILL)], {})
     assert placement.instance_id == "b"
     assert dict(placement.scores) == {"a": 10 + 96, "b": 10}
-    # The pending count includes the queue; an instance that reports none is charged its queue.
+    # The pending count includes the queue: a queue alone is charged as pending.
     assert KvAware().cost(req, snap("c", queued_tokens=40).load, 0).active_prefill_blocks == 3
     assert KvAware().cost(req, snap("c", queued_tokens=40, pending_tokens=200).load, 0).active_prefill_blocks == 13
 

@@ -81,6 +81,7 @@ def make_load(**overrides) -> EngineLoad:
             PrefixEvent(PrefixEventKind.REMOVED, 2),
         ),
         num_finished=7,
+        pending_context_tokens=500,
     )
     fields.update(overrides)
     return EngineLoad(**fields)
@@ -436,6 +437,8 @@ def test_in_process_construction_is_validated_too():
         make_load(role="prefill")
     with pytest.raises(ValueError, match="num_paused"):
         make_load(num_paused=True)
+    with pytest.raises(ValueError, match="pending_context_tokens: 299 is less than queued_prompt_tokens 300"):
+        make_load(pending_context_tokens=299)
     with pytest.raises(ValueError, match="prefix_events"):
         make_load(prefix_events=[PrefixEvent(PrefixEventKind.STORED, 1)])
     with pytest.raises(ValueError, match="block hash"):
@@ -462,14 +465,14 @@ def loads(draw) -> EngineLoad:
         tokens_per_block=draw(st.integers(1, MAX_COUNTER)),
         queued_requests=draw(counters),
         running_requests=draw(counters),
-        queued_prompt_tokens=draw(counters),
+        queued_prompt_tokens=(queued := draw(counters)),
         tokens_in_flight=draw(counters),
         num_paused=draw(counters),
         prefix_events=tuple(
             draw(st.lists(st.builds(PrefixEvent, st.sampled_from(PrefixEventKind), st.integers(0, MAX_BLOCK_HASH)), max_size=8))
         ),
         num_finished=draw(counters),
-        pending_context_tokens=draw(counters),
+        pending_context_tokens=draw(st.integers(queued, MAX_COUNTER)),  # it includes the queue
     )
 
 
