@@ -125,21 +125,23 @@ class StepLog:
         self._lines.close()
 
 
-def read_step_logs(paths: Iterable[str | Path], seconds: str = "loop_s", since_s: float = 0.0) -> list[StepSample]:
-    """The steps of StepLog files that ended at or after wall-clock `since_s`, each timed by its
+def read_step_log(path: str | Path, seconds: str = "loop_s") -> list[tuple[float, StepSample]]:
+    """Each step of one StepLog file, in file order, with the wall-clock time it ended, timed by its
     `seconds` field ("loop_s": the step as the loop runs it; "s": Engine.step alone). A line that
     does not parse (cut by a kill) is skipped."""
-    samples = []
-    for path in paths:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-                if record["t"] < since_s:
-                    continue
-                samples.append(StepSample(record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record[seconds])))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return samples
+    steps = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            steps.append((float(record["t"]), StepSample(record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record[seconds]))))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return steps
+
+
+def read_step_logs(paths: Iterable[str | Path], seconds: str = "loop_s", since_s: float = 0.0) -> list[StepSample]:
+    """The steps of StepLog files that ended at or after wall-clock `since_s` (`read_step_log`)."""
+    return [sample for path in paths for ended_s, sample in read_step_log(path, seconds) if ended_s >= since_s]
 
 
 def _engine(model, tokenizer, recorder_box: list) -> Engine:

@@ -269,28 +269,19 @@ def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
     """Every instance's logged steps that ended at or after wall-clock `since_s`, each with the
     number of the other instances (their step logs in `steps_dir`) whose logged step covers its
     start. A step's span is [t - loop_s, t]; one instance's steps do not overlap each other."""
-    from worker.profiler import StepSample
+    from worker.profiler import read_step_log
 
-    spans: dict[str, list[tuple[float, float, dict[str, Any]]]] = {}
-    for path in sorted(steps_dir.glob("*.jsonl")):
-        rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-                rows.append((float(record["t"]) - float(record["loop_s"]), float(record["t"]), record))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a kill
-        spans[path.stem] = sorted(rows, key=lambda row: row[0])
+    # Per instance: (start, end, step) of its steps by start; a step's span is [t - loop_s, t].
+    spans = {
+        path.stem: sorted(((ended_s - sample.step_s, ended_s, sample) for ended_s, sample in read_step_log(path)), key=lambda row: row[0])
+        for path in sorted(steps_dir.glob("*.jsonl"))
+    }
     starts = {name: [row[0] for row in rows] for name, rows in spans.items()}
     steps = []
     for name, rows in spans.items():
         others = [other for other in spans if other != name]
-        for start, end, record in rows:
+        for start, end, sample in rows:
             if end < since_s:
-                continue
-            try:
-                sample = StepSample(record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record["loop_s"]))
-            except (KeyError, TypeError, ValueError):
                 continue
             busy = 0
             for other in others:
@@ -348,6 +339,11 @@ def _coefficients(profile: StepProfile) -> dict[str, float]:
 
 def _modelled(profile: StepProfile, sample: Any) -> float:
     return profile.step_s(sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens)
+
+
+def _table_row(step: _Step) -> list[float]:
+    s = step.sample
+    return [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4)]
 
 
 def _spread(steps: list[_Step], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
@@ -463,6 +459,7 @@ def measure_deployed(
     call_there, call_back = (_percentiles(ways) for ways in calls)
     handover = _percentiles(handovers)
     groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
+    table_every = max(1, math.ceil(len(steps) / TABLE_ROWS))  # every n-th fitted step goes in the profile
     return {
         "format": "duet.step_profile.v1",
         "name": name,
@@ -505,14 +502,10 @@ def measure_deployed(
             "load_average_after": _load_average(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # Every `samples_table_every`-th fitted step (a few thousand would make the file large).
-            "samples_table_every": max(1, math.ceil(len(steps) / TABLE_ROWS)),
+            "samples_table_every": table_every,
             # context tokens, context pairs, decode sequences, their context tokens, seconds, and how
             # many of the other instances were mid-step as the step started
-            "samples_table": [
-                [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4)]
-                for step in steps[:: max(1, math.ceil(len(steps) / TABLE_ROWS))]
-                for s in (step.sample,)
-            ],
+            "samples_table": [_table_row(step) for step in steps[::table_every]],
         },
     }
 
