@@ -1,65 +1,119 @@
 """An asyncio event loop on virtual time: the real router (cluster/router/driver.py) runs on it unchanged.
 
-The loop's `time()` is a number the loop owns. When no callback is ready, asyncio's `_run_once`
-asks the selector to wait until the next timer; this loop's selector does not wait, it moves the
-clock to that timer instead. So `asyncio.sleep`, `wait_for` timeouts and `call_at` keep their
-meaning (the driver's poll timeouts, health bounds and watchdog interval are all timers) and a
-simulated hour takes as long as its callbacks take to run.
+The loop's `time()` is a number the loop owns. When no callback is ready, the loop moves the clock
+to the next timer instead of waiting for it. So `asyncio.sleep`, `wait_for` timeouts and `call_at`
+keep their meaning (the driver's poll timeouts, health bounds and watchdog interval are all timers)
+and a simulated hour takes as long as its callbacks take to run.
 
 The driver reads its clock through the `clock` it is given (`Router(clock=loop.time)`), and sleeps
 only through asyncio, so nothing in it changes. Nothing here does real I/O: a simulation that waits
 on a socket would wait forever, so a wait with no timer pending is an error (a deadlock in the
 simulated system, reported instead of hanging).
+
+The loop keeps its own timer queue rather than asyncio's (`_run_once` is asyncio's, less the
+selector and the debug checks): a heap of (due time, scheduling order, handle) tuples, which compare
+in C, where asyncio's heap of TimerHandles calls a Python `__lt__` for every comparison (about 7
+million of them in a 20,000-request bench/sim_scale.py run). Timers due at the same virtual instant
+run in the order they were scheduled; asyncio's heap orders them by time alone, so equal times come
+out in whatever order the heap holds them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import heapq
+import itertools
 import selectors
-from collections.abc import Coroutine
+from asyncio import events
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# Cancelled timers are dropped from the queue once they are more than this share of it and the
+# queue is longer than the minimum (asyncio's own thresholds): a router cancels a `wait_for`
+# timeout every time a poll answers in time, and those would otherwise stay until they came due.
+_COMPACT_MIN_TIMERS = 100
+_COMPACT_CANCELLED_SHARE = 0.5
 
 
 class SimulationDeadlock(RuntimeError):
     """Nothing is ready and no timer is pending: the simulated system waits on itself."""
 
 
-class _VirtualSelector(selectors.SelectSelector):
-    """Registers file objects as usual (the loop's self-pipe) but never waits on them: a wait of
-    `timeout` seconds moves the loop's virtual clock forward by that much."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop: VirtualTimeLoop | None = None
+class _NeverWaits(selectors.SelectSelector):
+    """Holds the loop's self-pipe registration; the virtual loop never selects."""
 
     def select(self, timeout: float | None = None) -> list:
-        assert self.loop is not None
-        if timeout is None:
-            raise SimulationDeadlock("no callback is ready and no timer is pending")
-        if timeout > 0:
-            self.loop.advance(timeout)
-        return []
+        raise AssertionError("the virtual-time loop never waits on file objects")
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """A selector event loop whose clock is virtual and jumps to the next timer when idle."""
 
     def __init__(self, start_s: float = 0.0) -> None:
-        selector = _VirtualSelector()
-        super().__init__(selector)
-        selector.loop = self
+        super().__init__(_NeverWaits())
         self._now_s = float(start_s)
         # Timers due within the resolution run together; virtual time is exact, so it is tiny.
         self._clock_resolution = 1e-9
+        self._timers: list[tuple[float, int, asyncio.TimerHandle]] = []
+        self._timer_order = itertools.count()
+        self._cancelled_timers = 0
 
     def time(self) -> float:
         return self._now_s
 
-    def advance(self, seconds: float) -> None:
-        self._now_s += seconds
+    def call_at(self, when: float, callback: Callable[..., object], *args: object, context=None) -> asyncio.TimerHandle:
+        self._check_closed()
+        timer = events.TimerHandle(when, callback, args, self, context)
+        heapq.heappush(self._timers, (when, next(self._timer_order), timer))
+        timer._scheduled = True
+        return timer
+
+    def _timer_handle_cancelled(self, handle: asyncio.TimerHandle) -> None:
+        if handle._scheduled:
+            self._cancelled_timers += 1
+
+    def _run_once(self) -> None:
+        """One pass: move the clock to the next timer if nothing is ready, move the timers now due to
+        the ready queue, run what is ready (callbacks scheduled meanwhile wait for the next pass)."""
+        timers = self._timers
+        if self._cancelled_timers > _COMPACT_CANCELLED_SHARE * len(timers) and len(timers) > _COMPACT_MIN_TIMERS:
+            kept = []
+            for entry in timers:
+                if entry[2]._cancelled:
+                    entry[2]._scheduled = False
+                else:
+                    kept.append(entry)
+            heapq.heapify(kept)  # (time, order) keys are unique: the pops keep their order
+            self._timers = timers = kept
+            self._cancelled_timers = 0
+        ready = self._ready
+        if not ready and not self._stopping:
+            while timers and timers[0][2]._cancelled:
+                heapq.heappop(timers)[2]._scheduled = False
+                self._cancelled_timers -= 1
+            if not timers:
+                raise SimulationDeadlock("no callback is ready and no timer is pending")
+            self._now_s = max(self._now_s, timers[0][0])
+        end_s = self._now_s + self._clock_resolution
+        while timers and timers[0][0] < end_s:
+            handle = heapq.heappop(timers)[2]
+            if handle._cancelled:
+                self._cancelled_timers -= 1
+            handle._scheduled = False
+            ready.append(handle)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
+
+    def close(self) -> None:
+        for entry in self._timers:
+            entry[2]._scheduled = False
+        self._timers.clear()
+        super().close()
 
 
 # While a simulation runs, the cyclic garbage collector runs rarely: a large simulated cluster holds

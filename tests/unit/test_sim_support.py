@@ -40,6 +40,30 @@ def test_the_virtual_loop_jumps_to_the_next_timer_instead_of_sleeping() -> None:
     assert order == ["a", "b", "timeout"]
 
 
+def test_timers_due_together_run_in_scheduling_order_and_cancelled_ones_never_run() -> None:
+    async def main() -> tuple[float, list[object], int, int]:
+        loop = asyncio.get_running_loop()
+        order: list[object] = []
+        handles = [loop.call_at(10.0, order.append, index) for index in range(300)]
+        loop.call_at(0.1 + 0.2, order.append, "early")
+        for index, handle in enumerate(handles):
+            if index % 3:
+                handle.cancel()  # two thirds cancelled: the queue drops them at its next pass
+        queued_before = len(loop._timers)
+        await asyncio.sleep(0)
+        queued_after = len(loop._timers)
+        await asyncio.sleep(0.1 + 0.2)
+        early_s = loop.time()
+        await asyncio.sleep(20.0 - early_s)
+        return early_s, order, queued_before, queued_after
+
+    early_s, order, queued_before, queued_after = run_virtual(main())
+    assert early_s == 0.1 + 0.2  # the clock jumps to a timer's time exactly, not by adding waits
+    assert order == ["early", *range(0, 300, 3)]
+    assert queued_before == 301
+    assert queued_after == 101  # compacted, not left until the cancelled timers come due
+
+
 def test_a_wait_on_nothing_is_a_deadlock_not_a_hang() -> None:
     async def main() -> None:
         await asyncio.Event().wait()
