@@ -451,7 +451,7 @@ class Engine:
 
     def open_transfer(self, transfer_id: str, request_id: str, peer_layout: KvLayout) -> TransferTarget:
         """TransferSink.open: the reserved blocks behind `transfer_id` (any thread)."""
-        return self.handover.open(transfer_id, request_id, peer_layout, self.kv_cache.import_blocks)
+        return self.handover.open(transfer_id, request_id, peer_layout, self.kv_cache.import_blocks, self.kv_cache.fill_blocks)
 
     def import_kv(self, transfer_id: str, request_id: str, peer_layout: KvLayout, data: bytes | memoryview) -> None:
         """The in-process hand-over: write a whole request's KV (every layer and block) and commit."""

@@ -50,6 +50,9 @@ from worker.protocol import RequestOutput
 EndRequest = Callable[[list[RequestOutput]], None]
 # Writes KV bytes into cache blocks: (block ids, layer start, layer end, data) (worker/kv_cache.py).
 ImportBlocks = Callable[[list[int], int, int, memoryview], None]
+# Lets a copy write into cache blocks directly: (block ids, layer start, layer end, copy), False when
+# the blocks cannot be handed out as views (worker/kv_cache.py PagedKvCache.fill_blocks).
+FillBlocks = Callable[[list[int], int, int, Callable[[list[memoryview]], object]], bool]
 
 
 # --- the inbox: what other threads report ----------------------------------------------------------
@@ -213,7 +216,10 @@ class Handover:
         made, self._new_reservations = self._new_reservations, []
         return made
 
-    def open(self, transfer_id: str, request_id: str, peer_layout: KvLayout, import_blocks: ImportBlocks) -> TransferTarget:
+    def open(
+        self, transfer_id: str, request_id: str, peer_layout: KvLayout, import_blocks: ImportBlocks,
+        fill_blocks: FillBlocks | None = None,
+    ) -> TransferTarget:
         """Any thread (TransferSink.open): the reserved blocks behind `transfer_id`."""
         with self._lock:
             reservation = self._by_transfer.get(transfer_id)
@@ -229,7 +235,7 @@ class Handover:
                 raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
             if reservation.committed:
                 raise TransferRejected(FailureReason.PROTOCOL_ERROR, "the transfer was already committed")
-        return TransferTarget(reservation, self.layout, import_blocks, self.post, self.vocab_size)
+        return TransferTarget(reservation, self.layout, import_blocks, self.post, self.vocab_size, fill_blocks)
 
     def commit(self, transfer_id: str) -> ReservedBlocks | None:
         """The KV behind `transfer_id` committed: forget the transfer id (None if it is gone already)."""
@@ -337,25 +343,44 @@ class Handover:
 
 class TransferTarget:
     """TransferTarget over a reservation (any thread): writes go straight into the reserved cache
-    blocks, under the reservation's lock."""
+    blocks, under the reservation's lock (a TransferViewsTarget when it can fill blocks in place)."""
 
     def __init__(self, reservation: ReservedBlocks, layout: KvLayout, import_blocks: ImportBlocks,
-                 post: Callable[[InboxMessage], None], vocab_size: int | None = None) -> None:
+                 post: Callable[[InboxMessage], None], vocab_size: int | None = None,
+                 fill_blocks: FillBlocks | None = None) -> None:
         self._reservation = reservation
         self._vocab_size = vocab_size
         self._import_blocks = import_blocks
+        self._fill_blocks = fill_blocks
         self._post = post
         self.num_blocks = len(reservation.block_ids)
         self.layout = layout
 
-    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
-        reservation = self._reservation
+    def _check_range(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> None:
         if not (0 <= block_start < block_end <= self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers):
             raise TransferRejected(FailureReason.PROTOCOL_ERROR, "range outside the reservation")
+
+    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
+        reservation = self._reservation
+        self._check_range(layer_start, layer_end, block_start, block_end)
         with reservation.lock:
             if not reservation.live or reservation.committed:
                 raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
             self._import_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, data)
+
+    def fill(
+        self, layer_start: int, layer_end: int, block_start: int, block_end: int, copy: Callable[[list[memoryview]], object]
+    ) -> bool:
+        """TransferViewsTarget.fill: `copy` writes into the reserved blocks themselves, under the
+        reservation's lock as `write` does (the engine cannot free them meanwhile)."""
+        if self._fill_blocks is None:
+            return False
+        reservation = self._reservation
+        self._check_range(layer_start, layer_end, block_start, block_end)
+        with reservation.lock:
+            if not reservation.live or reservation.committed:
+                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
+            return self._fill_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, copy)
 
     def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         reservation = self._reservation

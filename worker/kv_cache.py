@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -162,6 +162,24 @@ class PagedKvCache:
 
     def export_bytes(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> bytes:
         return self.export_uint8(block_ids, layer_start, layer_end).numpy().tobytes()
+
+    def fill_blocks(
+        self, block_ids: Sequence[int], layer_start: int, layer_end: int, fill: Callable[[list[memoryview]], object]
+    ) -> bool:
+        """Let `fill` write a run straight into `block_ids` (distinct ids) of layers [start, end): it is
+        called with writable views of the cache whose concatenation is the run in `import_blocks`'
+        layout (one per layer, K or V and run of consecutive ids), and the blocks count as written
+        once it returns (True). False, without calling it: the cache is off the CPU or the ids fall
+        in more than MAX_VIEW_RUNS runs (use `import_blocks`). Saves the copy into a buffer that
+        `import_blocks` would copy again (the shared-memory plane's receiver)."""
+        index = self._block_index(block_ids, unique=True)
+        self._check_layers(layer_start, layer_end)
+        views = self._views(index.tolist(), layer_start, layer_end)
+        if views is None:
+            return False
+        fill([memoryview(view) for view in views])
+        self.note_written(index)
+        return True
 
     def import_blocks(
         self,

@@ -49,6 +49,36 @@ def test_a_reservation_is_announced_once_and_opened_by_its_transfer_id():
     assert handover.commit(reservation.transfer_id) is None  # once
 
 
+def test_a_target_fills_its_reserved_blocks_in_place_under_the_lock_and_not_once_they_are_gone():
+    handover, _ = make()
+    state = RequestHandover()
+    reservation = handover.reserve(state, "r", [3, 4, 8], 40, now=0.0)
+    calls = []
+
+    def fill_blocks(block_ids, layer_start, layer_end, copy):
+        assert reservation.lock.locked()  # the engine cannot free the blocks while they are written
+        copy(["views"])
+        calls.append((block_ids, layer_start, layer_end))
+        return True
+
+    copied = []
+    target = handover.open(reservation.transfer_id, "r", LAYOUT, lambda *args: None, fill_blocks)
+    assert target.fill(0, 2, 1, 3, copied.append)
+    assert calls == [([4, 8], 0, 2)] and copied == [["views"]]
+    with pytest.raises(TransferRejected) as info:
+        target.fill(0, 2, 2, 4, copied.append)  # past the reservation
+    assert info.value.failure.reason is FailureReason.PROTOCOL_ERROR
+    handover.cancel(state)
+    with pytest.raises(TransferRejected) as info:
+        target.fill(0, 2, 0, 1, copied.append)
+    assert info.value.failure.reason is FailureReason.RESERVATION_EXPIRED
+    assert len(calls) == 1 and len(copied) == 1
+    # A target without in-place filling declines: the receiver copies out and calls write instead.
+    other = handover.reserve(RequestHandover(), "s", [5], 16, now=0.0)
+    assert not handover.open(other.transfer_id, "s", LAYOUT, lambda *args: None).fill(0, 2, 0, 1, copied.append)
+    assert len(copied) == 1
+
+
 @pytest.mark.parametrize(
     ("transfer_id", "request_id", "layout", "reason"),
     [

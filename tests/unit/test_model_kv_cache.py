@@ -154,6 +154,41 @@ def test_import_by_runs_writes_what_the_indexed_import_writes(dtype, ids):
         by_runs.import_blocks(ids, 1, 3, data[:-1])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_filling_blocks_in_place_writes_what_an_import_writes_or_declines_untouched(dtype):
+    from worker.kv_cache import MAX_VIEW_RUNS
+
+    layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, tokens_per_block=4, dtype=dtype, model_fingerprint="m")
+    source = PagedKvCache(layout, 32)
+    source.tensor.copy_(torch.randn(source.tensor.shape).to(source.dtype))
+    for ids in ([3, 4, 5, 6], [9, 2, 3, 4], [7]):
+        data = source.export_bytes(list(range(len(ids))), 1, 3)
+        filled, imported = PagedKvCache(layout, 32), PagedKvCache(layout, 32)
+        imported.import_blocks(ids, 1, 3, data)
+
+        def copy(views, data=data):
+            assert all(isinstance(view, memoryview) and not view.readonly for view in views)
+            offset = 0
+            for view in views:
+                view[:] = data[offset : offset + view.nbytes]
+                offset += view.nbytes
+            assert offset == len(data)
+
+        assert filled.fill_blocks(ids, 1, 3, copy)
+        assert torch.equal(filled.tensor.view(torch.uint8), imported.tensor.view(torch.uint8))
+        assert torch.equal(filled.block_versions, imported.block_versions)  # counted as written
+    scattered = list(range(0, 2 * (MAX_VIEW_RUNS + 1), 2))
+    cache = PagedKvCache(layout, 32)
+    called = []
+    assert not cache.fill_blocks(scattered, 0, 3, called.append)  # too many runs: import_blocks instead
+    assert called == [] and int(cache.block_versions.sum()) == 0
+    with pytest.raises(KvCacheError):
+        cache.fill_blocks([3, 3], 0, 3, called.append)  # distinct ids, as for an import
+    with pytest.raises(KvCacheError):
+        cache.fill_blocks([3], 0, 4, called.append)
+    assert called == []
+
+
 def test_a_transfer_source_hands_out_views_of_the_cache_equal_to_its_gathered_read():
     from worker.kv_cache import MAX_VIEW_RUNS
     from worker.transfer_source import EngineTransferSource

@@ -10,7 +10,7 @@ not cache block ids: each side maps them onto its cache's block ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -43,16 +43,20 @@ class TransferTarget(Protocol):
 
 @runtime_checkable
 class TransferViewsTarget(TransferTarget, Protocol):
-    """A TransferTarget that can hand out its storage of a range as writable buffers. On the
-    shared-memory plane the receiver then copies a chunk from the segment straight into them and
+    """A TransferTarget that lets the receiver write a range straight into its storage. On the
+    shared-memory plane the receiver then copies a chunk from the segment into that storage and
     verifies the checksum on the stored copy, instead of copying out, verifying and calling `write`
     (one pass over the bytes fewer). Bytes that fail the check stay in blocks the failed transfer
     reserved, which are never read."""
 
-    def views(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> Sequence[memoryview] | None:
-        """Writable buffers whose concatenation is the range in `write`'s layout, valid until commit
-        or fail (None: use `write` for this range). Filling them is this range's write: the same
-        threading and ordering rules apply."""
+    def fill(
+        self, layer_start: int, layer_end: int, block_start: int, block_end: int, copy: Callable[[Sequence[memoryview]], object]
+    ) -> bool:
+        """Call `copy` with writable buffers whose concatenation is the range in `write`'s layout,
+        while they are the reservation's (the target holds whatever keeps them so until `copy`
+        returns), and return True; False, without calling it: no such buffers for this range (use
+        `write`). Filling them is this range's write: the same threading and ordering rules apply,
+        and the same refusals (TransferRejected)."""
         ...
 
 

@@ -26,7 +26,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -528,13 +528,18 @@ class KvTransferServer:
     ) -> tuple[memoryview | None, int]:
         """Copy a shared-memory chunk out of the sender's segment and checksum the copy (the sender
         can still write the segment; its checksum covers what it wrote). A TransferViewsTarget gets
-        the bytes straight into its storage (returns None: nothing left to write); otherwise they go
-        to this thread's scratch buffer, returned for `write`."""
-        views_of = getattr(record.target, "views", None)
-        views = views_of(header.layer_start, header.layer_end, header.block_start, header.block_end) if views_of else None
-        if views is not None:
-            copy_into(record.shm_segment, header.shm.offset, views)
-            return None, codec.checksum_parts(views, record.checksum_algorithm)
+        the bytes straight into its storage, checksummed there while it holds them (returns None:
+        nothing left to write); otherwise they go to this thread's scratch buffer, returned for `write`."""
+        fill = getattr(record.target, "fill", None)
+        if fill is not None:
+            checksums: list[int] = []
+
+            def copy(views: Sequence[memoryview]) -> None:
+                copy_into(record.shm_segment, header.shm.offset, views)
+                checksums.append(codec.checksum_parts(views, record.checksum_algorithm))
+
+            if fill(header.layer_start, header.layer_end, header.block_start, header.block_end, copy):
+                return None, checksums[0]
         data = copy_out(record.shm_segment, header.shm.offset, length, self._scratch.get(length))
         return data, codec.checksum(data, record.checksum_algorithm)
 

@@ -67,13 +67,20 @@ class MemoryTarget:
                 self.concurrent_writes -= 1
                 self.writes += 1
 
-    def views(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> tuple[memoryview, ...]:
-        """The storage of the range (TransferViewsTarget): what the shared-memory plane fills."""
+    def fill(self, layer_start: int, layer_end: int, block_start: int, block_end: int, copy) -> bool:
+        """The storage of the range, filled by `copy` (TransferViewsTarget): what the shared-memory plane does."""
         with self._lock:
             if self.state != "OPEN":
                 self.events.append(f"write-after-{self.state.lower()}")
-            self.writes += 1
-        return self.buffer.read_parts(layer_start, layer_end, block_start, block_end)
+            self.concurrent_writes += 1
+            self.max_concurrent_writes = max(self.max_concurrent_writes, self.concurrent_writes)
+        try:
+            copy(self.buffer.read_parts(layer_start, layer_end, block_start, block_end))
+        finally:
+            with self._lock:
+                self.concurrent_writes -= 1
+                self.writes += 1
+        return True
 
     def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         with self._on_end:
