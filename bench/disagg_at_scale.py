@@ -19,6 +19,10 @@ Figures per mix: `<mix>_colocated_goodput_per_gpu`, `<mix>_best_split`, `<mix>_b
 (`disagg_at_scale.png` in --out) shows goodput per GPU against the split for both mixes.
 
     python bench/disagg_at_scale.py [--quick] [--mix prefill_heavy decode_heavy] [--handover-ms 7.7] [--duration S] [--out DIR]
+                                    [--splits P [P ...]] [--jobs N]
+
+`--splits` limits the search to some P:D splits (all MIXED is always searched): the best is then the
+best of those, and the table says which were searched.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def _plan(mix: str, prompt_tokens: int, output_tokens: int, args: argparse.Names
         "--slo-ttft-ms", str(SLO_TTFT_MS), "--slo-tpot-ms", str(SLO_TPOT_MS), "--instances", str(args.instances),
         "--policies", "least_loaded", *(["--duration", str(args.duration)] if args.duration else []),
         "--stream-interval-ms", str(STREAM_INTERVAL_MS),
+        *(["--splits", *map(str, args.splits)] if args.splits else []),
+        *(["--jobs", str(args.jobs)] if args.jobs else []),
         "--no-plots", "--log-level", "ERROR", "--out", str(out / mix),
     ]
     done = out / mix / "plan.json"
@@ -126,7 +132,13 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=400, help="the workload's pool (probes continue it with copies)")
     parser.add_argument("--out", default=None, help="where plans and the plot go (default: a temporary directory)")
     parser.add_argument("--reuse", action="store_true", help="take a mix's plan from --out when it is there (replot, or resume)")
+    parser.add_argument("--splits", type=int, nargs="+", default=None, metavar="P",
+                        help="search only these splits by prefill instances (0, all MIXED, is always searched: it is the baseline); "
+                        "default: every one")
+    parser.add_argument("--jobs", type=int, default=None, help="candidates searched at once (duet plan --jobs; default: the CPUs)")
     args = parser.parse_args()
+    if args.splits is not None and 0 not in args.splits:
+        args.splits = [0, *args.splits]
     args.instances = 2 if args.quick else INSTANCES
     if args.quick:
         args.duration = args.duration or 1.0
@@ -161,8 +173,11 @@ def main() -> int:
             f"{mix}_disagg_ratio": None if ratio is None else round(ratio, 4),
             f"{mix}_at_least": document["at_least"],
             f"{mix}_window_s": document["window_s"],
+            f"{mix}_splits_searched": document.get("splits", "all"),
         })
     print_table(["mix", "prompt / output", "window s", "all MIXED req/s/GPU", "best split", "its req/s/GPU", "split / MIXED", "simulations", "wall s"], rows)
+    if args.splits:
+        print(f"splits searched (prefill instances; 0 = all MIXED): {sorted(set(args.splits))}")
     plot = _plot(results, args.instances, out / "disagg_at_scale.png")
     print(f"plot: {plot}")
     figures.update({"instances": args.instances, "handover_ms": args.handover_ms, "plot": str(plot)})

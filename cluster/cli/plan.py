@@ -71,6 +71,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="simulated seconds of arrivals per probe (default: 30, or 3 lives of a request under the SLOs when "
                         "longer; quick 5); --num-requests sizes the pool that probes repeat")
     search.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the workload and arrival times")
+    search.add_argument("--splits", type=int, nargs="+", default=None, metavar="P",
+                        help="search only these splits, by prefill instances (0: all MIXED; P: P prefill and N - P generation); "
+                        "default: all MIXED and every P:D")
     search.add_argument("--jobs", type=int, default=None, metavar="N",
                         help="candidates searched at once, each in a process of its own (default: the CPUs this process may "
                         "use; each holds one simulation in memory); the best split and its rate do not depend on it")
@@ -165,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise CliError("--jobs: the number of candidates to search at once, an integer >= 1", EXIT_USAGE)
     jobs = args.jobs if args.jobs is not None else _usable_cpus()
+    if args.splits is not None and not all(0 <= count < num_instances for count in args.splits):
+        raise CliError(f"--splits: prefill instance counts from 0 (all MIXED) to {num_instances - 1}", EXIT_USAGE)
     try:
         slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     except SloError as error:
@@ -196,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = plan(
         base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
-        duration_s=duration_s, prune=not args.every_maximum, jobs=jobs,
+        duration_s=duration_s, prune=not args.every_maximum, jobs=jobs, prefill_counts=args.splits,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     elapsed_s = time.perf_counter() - started
@@ -240,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         "request_life_s": round(life_s, 3),
         "simulations": sum(len(r.probes) for r in results),
         "jobs": jobs,
+        "splits": "all" if args.splits is None else sorted(set(args.splits)),
         "wall_s": round(elapsed_s, 2),
         "cluster_yaml": str(yaml_path),
     }

@@ -82,8 +82,18 @@ class Candidate:
         return msgspec.structs.replace(base, instances=instances, router=router)
 
 
-def candidates(num_instances: int, policies: Sequence[str] = tuple(POLICIES)) -> list[Candidate]:
-    splits = [(0, num_instances)] + [(p, num_instances - p) for p in range(1, num_instances)]
+def candidates(
+    num_instances: int, policies: Sequence[str] = tuple(POLICIES), prefill_counts: Sequence[int] | None = None
+) -> list[Candidate]:
+    """All MIXED (prefill count 0) and every P:D split with P + D = `num_instances`, under each policy;
+    `prefill_counts` keeps only those splits (0: all MIXED), in increasing order."""
+    counts = range(num_instances) if prefill_counts is None else sorted(set(prefill_counts))
+    for count in counts:
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < num_instances:
+            raise ValueError(f"a prefill instance count is 0 (all MIXED) to {num_instances - 1}, got {count!r}")
+    if not counts:
+        raise ValueError("no split to search")
+    splits = [(p, num_instances if p == 0 else num_instances - p) for p in counts]
     return [Candidate(p, d, policy) for p, d in splits for policy in policies]
 
 
@@ -340,6 +350,7 @@ def plan(
     duration_s: float = 30.0,
     prune: bool = True,
     jobs: int = 1,
+    prefill_counts: Sequence[int] | None = None,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[CandidateResult]:
     """Every candidate's search; the best is the one with the highest goodput per instance (all
@@ -354,10 +365,12 @@ def plan(
     pruned against the best of candidates 0 .. i - jobs, the ones certain to be done when it starts
     in order, and it waits for them: the results do not depend on the workers' timing, with one job
     they are those of the sequential search, and the best and its rate do not depend on `jobs` at
-    all (pruning never changes them; how far a candidate below the best was searched may)."""
+    all (pruning never changes them; how far a candidate below the best was searched may).
+
+    `prefill_counts` searches only those splits (`candidates`): the best is then the best of them."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
-    todo = candidates(num_instances, policies)
+    todo = candidates(num_instances, policies, prefill_counts)
     # One rate to start every search from: an instance's share of a modest rate, so that the
     # doubling phase is short for every candidate.
     start = max(0.25, num_instances / 4)

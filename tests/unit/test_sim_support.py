@@ -254,6 +254,11 @@ def test_a_candidate_becomes_the_config_it_names() -> None:
     from cluster.sim.plan import Candidate, candidates
 
     assert [c.label for c in candidates(3, ["kv_aware"])] == ["3 MIXED kv_aware", "1P:2D kv_aware", "2P:1D kv_aware"]
+    # Some splits only (duet plan --splits): in increasing order, once each.
+    assert [c.label for c in candidates(4, ["kv_aware"], [3, 0, 3])] == ["4 MIXED kv_aware", "3P:1D kv_aware"]
+    for counts in ([4], [-1], [True], []):
+        with pytest.raises(ValueError):
+            candidates(4, ["kv_aware"], counts)
     base = ClusterConfig.from_dict({"engine": {"num_blocks": 100}})
     mixed = Candidate(0, 4, "least_loaded").config(base)
     assert [(g.role.name, g.count) for g in mixed.instances] == [("MIXED", 4)]
@@ -353,6 +358,23 @@ def _sequential_plan() -> list:
 
     base, settings, pool, slo = _search_case()
     return plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0)
+
+
+def test_a_plan_of_some_splits_searches_those_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+    from cluster.sim.plan import plan
+
+    base, settings, pool, slo = _search_case()
+    # The first candidate's search depends on no other: alone, it is what the whole plan found for it.
+    assert plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, prefill_counts=[0]) == _sequential_plan()[:1]
+    common = ["--policies", "round_robin", "--workload", "fixed", "--num-requests", "20", "--input-len", "64", "--output-len", "8",
+              "--duration", "1", "--slo-ttft-ms", "200", "--slo-tpot-ms", "50", "--out", str(tmp_path), "--no-plots", "--jobs", "1"]
+    assert main(["plan", "--instances", "3", "--splits", "2", *common]) == 0
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert list(document["candidates"]) == ["2P:1D round_robin"] and document["splits"] == [2]
+    capsys.readouterr()
+    assert main(["plan", "--instances", "3", "--splits", "0", "3", *common]) == 2
+    assert "--splits: prefill instance counts from 0 (all MIXED) to 2" in capsys.readouterr().err
 
 
 def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> None:
