@@ -44,7 +44,13 @@ INSTANCES = 16
 # (name, prompt tokens, output tokens)
 MIXES = (("prefill_heavy", 2048, 128), ("decode_heavy", 256, 1024))
 SLO_TTFT_MS, SLO_TPOT_MS = 1000.0, 50.0
-CLUSTER_YAML = "engine: {num_blocks: 20000, max_num_tokens: 8192, max_batch_size: 256}\n"
+CLUSTER_YAML = (
+    "engine: {num_blocks: 20000, max_num_tokens: 8192, max_batch_size: 256}\n"
+    # The router admits 1,024 requests in flight by default, which a 16-GPU cluster of long
+    # outputs exceeds (decode-heavy holds ~1,400 at 128 req/s): the limit, not the GPUs, would
+    # then cap every split alike. A deployment this size raises it the same way.
+    "router: {admission: {max_queued_requests: 16384}}\n"
+)
 ROOFLINE = "h100-sxm:llama-3-8b"
 LINK = "rdma-400g"
 # Instances merge a request's tokens for up to 50 ms before reporting them (vLLM's stream_interval):

@@ -206,6 +206,15 @@ def run(args: argparse.Namespace) -> int:
     )
     elapsed_s = time.perf_counter() - started
     chosen = best(results)
+    capped = [r.candidate.label for r in results if any(p.refused for p in r.probes)]
+    if capped:
+        print(
+            f"duet plan: warning: the router refused requests at its admission limit (router.admission.max_queued_requests: "
+            f"{base.router.admission.max_queued_requests}) in probes of {len(capped)} of {len(results)} candidates "
+            f"({', '.join(capped[:3])}{', ...' if len(capped) > 3 else ''}): that limit, not the instances, capped their "
+            "rates; raise it in --config for a cluster this size",
+            file=sys.stderr,
+        )
     rows = [
         [("* " if r is chosen else "  ") + r.candidate.label, *_bounds(r, num_instances), len(r.probes)] for r in results
     ]

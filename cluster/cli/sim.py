@@ -40,7 +40,14 @@ from cluster.loadgen.runner import PointResult
 from cluster.loadgen.trace import read_trace, trace_workload
 from cluster.loadgen.workloads import WorkloadError, build_workload, load_sharegpt
 from cluster.sim.catalog import load_profile, shipped_profiles
-from cluster.sim.cluster import InstanceDeath, SimOutcome, SimSettings, pool_shortfalls, simulate
+from cluster.sim.cluster import (
+    InstanceDeath,
+    SimOutcome,
+    SimSettings,
+    pool_shortfalls,
+    refused_at_admission,
+    simulate,
+)
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkError, data_plane
 from cluster.sim.profile import ProfileError
 from worker.protocol import InstanceRole
@@ -231,6 +238,14 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(error), EXIT_USAGE) from None
         results.append(outcome.point)
         outcomes.append(outcome)
+        refused = sum(refused_at_admission(record) for record in outcome.point.outcome.records)
+        if refused:
+            print(
+                f"duet sim: warning: {point.label}: the router refused {refused} of {len(requests)} requests at its admission "
+                f"limit (router.admission.max_queued_requests: {config.router.admission.max_queued_requests}): that limit, "
+                "not the instances, capped this run; raise it in --config for a cluster this size",
+                file=sys.stderr, flush=True,
+            )
     description = {
         "simulated": [{"role": g.role.value, "count": g.count} for g in config.instances],
         "profile": sim.profile.name,

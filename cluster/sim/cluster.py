@@ -26,9 +26,10 @@ from typing import Any
 
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.arrivals import Arrivals
-from cluster.loadgen.metrics import Slo, compute_metrics
+from cluster.loadgen.metrics import RequestRecord, Slo, compute_metrics
 from cluster.loadgen.runner import LoadRunner, PointResult, SamplingSpec
 from cluster.loadgen.workloads import BenchRequest
+from cluster.router.api import ErrorKind
 from cluster.router.driver import Router
 from cluster.sim.client import RouterClient
 from cluster.sim.instance import SimInstance, SimNetwork
@@ -261,6 +262,12 @@ async def simulate_async(
         "transfers": dict(router.transfers),
     }
     return SimOutcome(point, reports, router_figures, virtual_s, time.perf_counter() - wall_started, leaked)
+
+
+def refused_at_admission(record: RequestRecord) -> bool:
+    """Whether the router refused the request at its admission limit (RESOURCE_EXHAUSTED is that
+    refusal and no other, cluster/router/api.py)."""
+    return bool(record.error) and record.error.startswith(f"{ErrorKind.RESOURCE_EXHAUSTED.value}:")
 
 
 def simulate(

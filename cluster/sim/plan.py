@@ -41,7 +41,7 @@ from cluster.loadgen.arrivals import PoissonArrivals
 from cluster.loadgen.metrics import RequestRecord, Slo
 from cluster.loadgen.workloads import BenchRequest
 from cluster.router.config import DisaggMode, KvAwareParams, LeastLoadedParams, RoundRobinParams
-from cluster.sim.cluster import SIM_VOCAB_SIZE, SimSettings, simulate_async
+from cluster.sim.cluster import SIM_VOCAB_SIZE, SimSettings, refused_at_admission, simulate_async
 from cluster.sim.vclock import run_virtual
 from worker.protocol import InstanceRole
 
@@ -107,6 +107,9 @@ class Probe:
     passed: bool = False
     requests: int = 0
     decided_early: bool = False
+    # Requests the router refused at its admission limit (router.admission.max_queued_requests):
+    # misses the configuration caused, not the instances.
+    refused: int = 0
 
 
 @dataclass
@@ -202,7 +205,7 @@ class _Verdict:
         self.slo = slo
         self.count = count
         self.needed = math.ceil(attainment * count - 1e-9)  # met requests a pass needs
-        self.met = self.missed = self.ended = 0
+        self.met = self.missed = self.ended = self.refused = 0
         self._finished: set[int] = set()
         self._late: set[int] = set()  # counted as missed at their deadline, unfinished
         self.decided = decided
@@ -210,6 +213,7 @@ class _Verdict:
     def on_done(self, record: RequestRecord) -> None:
         self._finished.add(record.index)
         self.ended += 1
+        self.refused += refused_at_admission(record)
         if record.index in self._late:
             return
         if self.slo.met_by(record):
@@ -267,11 +271,13 @@ async def _probe(
         simulation.result()  # a bug in the simulation is raised, not taken for a verdict
         records = simulation.result().point.outcome.records
         met = sum(1 for record in records if slo.met_by(record))
-        return Probe(rate, met / len(requests), len(records), met >= verdict.needed, len(requests))
+        refused = sum(refused_at_admission(record) for record in records)
+        return Probe(rate, met / len(requests), len(records), met >= verdict.needed, len(requests), refused=refused)
     simulation.cancel()  # decided: the rest of the window cannot change the verdict
     passed = verdict.decided.result()
     share = verdict.met if passed else verdict.count - verdict.missed
-    return Probe(rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True)
+    return Probe(rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True, refused=verdict.refused)
+
 
 
 def probe(

@@ -226,6 +226,28 @@ def test_duet_sim_and_plan_say_when_the_kv_pool_cannot_hold_the_workload(tmp_pat
     assert "holds none of the workload's requests" in capsys.readouterr().err
 
 
+def test_duet_sim_and_plan_say_when_the_routers_admission_limit_capped_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text("router: {admission: {max_queued_requests: 3}}\n")
+    common = ["--config", str(config), "--profile", "roofline:h100-sxm:llama-3-8b", "--workload", "fixed", "--num-requests", "30",
+              "--input-len", "64", "--output-len", "32", "--out", str(tmp_path / "out"), "--no-plots"]
+    assert main(["sim", "--instances", "2M", "--rate", "1000", "--no-progress", *common]) == 0
+    err = capsys.readouterr().err
+    assert "the router refused" in err and "(router.admission.max_queued_requests: 3)" in err
+    assert main(["plan", "--instances", "2", "--policies", "round_robin", "--splits", "0", "--duration", "1", "--jobs", "1",
+                 "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50", *common]) == 0
+    err = capsys.readouterr().err
+    assert "duet plan: warning: the router refused requests at its admission limit (router.admission.max_queued_requests: 3)" in err
+    probes = json.loads((tmp_path / "out" / "plan.json").read_text())["probes"]["2 MIXED round_robin"]
+    assert any(p["refused"] for p in probes)
+    # A limit the run never reaches: no warning.
+    config.write_text("router: {admission: {max_queued_requests: 1000}}\n")
+    assert main(["sim", "--instances", "2M", "--rate", "1000", "--no-progress", *common]) == 0
+    assert "refused" not in capsys.readouterr().err
+
+
 def test_duet_plan_marks_the_best_split_and_writes_a_config_duet_serve_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
     from cluster.deploy.config import ClusterConfig
