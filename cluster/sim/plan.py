@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import multiprocessing
 import queue
@@ -414,7 +415,8 @@ def plan(
     context = multiprocessing.get_context("spawn")
     finished: queue.SimpleQueue[tuple[int, CandidateResult | None, BaseException | None]] = queue.SimpleQueue()
     with context.Pool(
-        processes=min(jobs, len(todo)), initializer=_init_worker, initargs=(base, settings, tuple(requests), slo, options),
+        processes=min(jobs, len(todo)), initializer=_init_worker,
+        initargs=(base, settings, tuple(requests), slo, options, logging.getLogger().getEffectiveLevel()),
     ) as pool:
         running: dict[int, float] = {}  # candidate index -> when its search started
         next_index = 0
@@ -441,9 +443,14 @@ def plan(
 _worker_inputs: tuple[ClusterConfig, SimSettings, tuple[BenchRequest, ...], Slo, dict] | None = None
 
 
-def _init_worker(base: ClusterConfig, settings: SimSettings, requests: tuple[BenchRequest, ...], slo: Slo, options: dict) -> None:
+def _init_worker(
+    base: ClusterConfig, settings: SimSettings, requests: tuple[BenchRequest, ...], slo: Slo, options: dict, log_level: int
+) -> None:
     global _worker_inputs
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+    # A spawned process starts with logging unconfigured: the parent's level (duet plan --log-level)
+    # keeps the simulated router's warnings as quiet here as in a sequential plan.
+    logging.getLogger().setLevel(log_level)
     _worker_inputs = (base, settings, requests, slo, options)
 
 

@@ -382,6 +382,25 @@ def _sequential_plan() -> list:
     return plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0)
 
 
+def test_a_plan_worker_takes_the_parents_log_level() -> None:
+    """Spawned workers start with logging unconfigured (WARNING): duet plan --log-level ERROR must
+    keep a parallel plan's simulated router as quiet as a sequential one's."""
+    import logging
+    import signal
+
+    from cluster.sim.plan import _init_worker
+
+    root = logging.getLogger()
+    level, handler = root.level, signal.getsignal(signal.SIGINT)
+    try:
+        root.setLevel(logging.WARNING)
+        _init_worker(*_search_case(), {}, logging.ERROR)
+        assert root.getEffectiveLevel() == logging.ERROR
+    finally:
+        root.setLevel(level)
+        signal.signal(signal.SIGINT, handler)
+
+
 def test_a_plan_of_some_splits_searches_those_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
     from cluster.sim.plan import plan
