@@ -12,7 +12,9 @@ estimate, not a measurement), with the hand-over's control path replaced by the 
 system adds between the first and the second token (`--handover-ms`; 7.7 ms is what
 `bench/handover_latency.py` measured on the 2-core development machine over gRPC, 2026-12-01), and
 the KV moving over a 400 Gb/s RDMA-class link; instances report tokens every 50 ms at most. The KV pool is H100-sized (20,000 blocks of 16 tokens:
-320,000 tokens, 40 GiB of an 8B model's KV), up to 8,192 tokens and 256 sequences per step.
+320,000 tokens, 40 GiB of an 8B model's KV), up to 8,192 tokens per step and 256 requests per instance,
+and the router admits 16,384 requests in flight (the defaults, 64 and 1,024, would cap every split
+before the GPUs do).
 
 Figures per mix: `<mix>_colocated_goodput_per_gpu`, `<mix>_best_split`, `<mix>_best_goodput_per_gpu`,
 `<mix>_disagg_ratio` (best disaggregated split / all MIXED, the colocated baseline); the plot
