@@ -174,10 +174,16 @@ class PagedKvCache:
         `import_blocks` would copy again (the shared-memory plane's receiver)."""
         index = self._block_index(block_ids, unique=True)
         self._check_layers(layer_start, layer_end)
+        return self._fill_views(index, layer_start, layer_end, lambda views: fill([memoryview(view) for view in views]))
+
+    def _fill_views(
+        self, index: torch.Tensor, layer_start: int, layer_end: int, fill: Callable[[list[np.ndarray]], object]
+    ) -> bool:
+        """`fill_blocks` and `import_blocks`' copy per view, for ids and layers already checked."""
         views = self._views(index.tolist(), layer_start, layer_end)
         if views is None:
             return False
-        fill([memoryview(view) for view in views])
+        fill(views)
         self.note_written(index)
         return True
 
@@ -191,19 +197,21 @@ class PagedKvCache:
         """Write a run exported by a compatible cache into `block_ids` (distinct ids) of layers [start, end)."""
         index = self._block_index(block_ids, unique=True)
         self._check_layers(layer_start, layer_end)
-        views = None if isinstance(data, torch.Tensor) else self._views(index.tolist(), layer_start, layer_end)
-        if views is not None:
-            # A copy per view (torch's indexed assignment costs more than the bytes at these sizes).
-            source = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
-            expected_bytes = self.run_bytes(len(block_ids), layer_start, layer_end)
-            if source.nbytes != expected_bytes:
-                raise KvCacheError(f"data is {source.nbytes} bytes, the run needs exactly {expected_bytes}")
-            offset = 0
-            for view in views:
-                view[:] = source[offset : offset + view.nbytes]
-                offset += view.nbytes
-            self.note_written(index)
-            return
+        if not isinstance(data, torch.Tensor):
+
+            def copy(views: list[np.ndarray]) -> None:
+                # A copy per view (torch's indexed assignment costs more than the bytes at these sizes).
+                source = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+                expected_bytes = self.run_bytes(len(block_ids), layer_start, layer_end)
+                if source.nbytes != expected_bytes:
+                    raise KvCacheError(f"data is {source.nbytes} bytes, the run needs exactly {expected_bytes}")
+                offset = 0
+                for view in views:
+                    view[:] = source[offset : offset + view.nbytes]
+                    offset += view.nbytes
+
+            if self._fill_views(index, layer_start, layer_end, copy):
+                return
         shape = (
             layer_end - layer_start,
             2,
