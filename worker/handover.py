@@ -34,6 +34,7 @@ They report through the inbox, which the engine thread drains at its next step.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import queue
 import threading
@@ -356,31 +357,31 @@ class TransferTarget:
         self.num_blocks = len(reservation.block_ids)
         self.layout = layout
 
-    def _check_range(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> None:
+    @contextlib.contextmanager
+    def _writing(self, layer_start: int, layer_end: int, block_start: int, block_end: int) -> Iterator[list[int]]:
+        """The cache block ids of a range, under the reservation's lock while it is live and not
+        committed (the engine cannot free them meanwhile); the refusals of `write` and `fill`."""
         if not (0 <= block_start < block_end <= self.num_blocks and 0 <= layer_start < layer_end <= self.layout.num_layers):
             raise TransferRejected(FailureReason.PROTOCOL_ERROR, "range outside the reservation")
-
-    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
         reservation = self._reservation
-        self._check_range(layer_start, layer_end, block_start, block_end)
         with reservation.lock:
             if not reservation.live or reservation.committed:
                 raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
-            self._import_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, data)
+            yield reservation.block_ids[block_start:block_end]
+
+    def write(self, layer_start: int, layer_end: int, block_start: int, block_end: int, data: memoryview) -> None:
+        with self._writing(layer_start, layer_end, block_start, block_end) as block_ids:
+            self._import_blocks(block_ids, layer_start, layer_end, data)
 
     def fill(
         self, layer_start: int, layer_end: int, block_start: int, block_end: int, copy: Callable[[list[memoryview]], object]
     ) -> bool:
         """TransferViewsTarget.fill: `copy` writes into the reserved blocks themselves, under the
-        reservation's lock as `write` does (the engine cannot free them meanwhile)."""
+        reservation's lock as `write` does."""
         if self._fill_blocks is None:
             return False
-        reservation = self._reservation
-        self._check_range(layer_start, layer_end, block_start, block_end)
-        with reservation.lock:
-            if not reservation.live or reservation.committed:
-                raise TransferRejected(FailureReason.RESERVATION_EXPIRED, "the reservation is no longer live")
-            return self._fill_blocks(reservation.block_ids[block_start:block_end], layer_start, layer_end, copy)
+        with self._writing(layer_start, layer_end, block_start, block_end) as block_ids:
+            return self._fill_blocks(block_ids, layer_start, layer_end, copy)
 
     def commit(self, token_ids: tuple[int, ...] = ()) -> None:
         reservation = self._reservation
