@@ -267,7 +267,7 @@ async def simulate_async(
 def refused_at_admission(record: RequestRecord) -> bool:
     """Whether the router refused the request at its admission limit (RESOURCE_EXHAUSTED is that
     refusal and no other, cluster/router/api.py)."""
-    return bool(record.error) and record.error.startswith(f"{ErrorKind.RESOURCE_EXHAUSTED.value}:")
+    return record.status == ErrorKind.RESOURCE_EXHAUSTED.value
 
 
 def simulate(
