@@ -43,6 +43,7 @@ from cluster.sim.plan import (
     POLICIES,
     CandidateResult,
     best,
+    candidates,
     plan,
     probe_window_s,
     request_life_s,
@@ -168,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise CliError("--jobs: the number of candidates to search at once, an integer >= 1", EXIT_USAGE)
     jobs = args.jobs if args.jobs is not None else _usable_cpus()
-    if args.splits is not None and not all(0 <= count < num_instances for count in args.splits):
-        raise CliError(f"--splits: prefill instance counts from 0 (all MIXED) to {num_instances - 1}", EXIT_USAGE)
+    try:
+        candidates(num_instances, args.policies, args.splits)  # refuses a split outside 0 .. N - 1, before any work
+    except ValueError as error:
+        raise CliError(f"--splits: {error}", EXIT_USAGE) from None
     try:
         slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     except SloError as error:

@@ -91,7 +91,7 @@ def candidates(
     counts = range(num_instances) if prefill_counts is None else sorted(set(prefill_counts))
     for count in counts:
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < num_instances:
-            raise ValueError(f"a prefill instance count is 0 (all MIXED) to {num_instances - 1}, got {count!r}")
+            raise ValueError(f"prefill instance counts from 0 (all MIXED) to {num_instances - 1}, got {count!r}")
     if not counts:
         raise ValueError("no split to search")
     splits = [(p, num_instances if p == 0 else num_instances - p) for p in counts]
