@@ -25,7 +25,7 @@ import msgspec
 
 from cluster.cli.bench import add_workload_options
 from cluster.cli.common import EXIT_OK, EXIT_USAGE, CliError, add_log_level, setup_logging
-from cluster.cli.sim import add_cluster_options, cluster_config, sim_settings
+from cluster.cli.sim import add_cluster_options, cluster_config, profile_pool, sim_settings
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.metrics import Slo, SloError
 from cluster.loadgen.report import envelope, render_table
@@ -180,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
     workload = _workload(args)
     dataset = load_sharegpt(workload.dataset_path) if workload.dataset_path else None
     requests = build_workload(workload, args.seed, dataset)
-    base = cluster_config(argparse.Namespace(**{**vars(args), "instances": None}))
     settings = sim_settings(args, SamplingSpec(timeout_s=None), args.seed)
+    base = profile_pool(cluster_config(argparse.Namespace(**{**vars(args), "instances": None})), settings.profile, "duet plan")
     # Every role a candidate may use: a request refused at submission would count against every
     # split alike and hide what the search compares.
     roles = (InstanceRole.PREFILL, InstanceRole.GENERATION, InstanceRole.MIXED)

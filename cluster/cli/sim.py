@@ -45,11 +45,13 @@ from cluster.sim.cluster import (
     SimOutcome,
     SimSettings,
     pool_shortfalls,
+    pool_summary,
     refused_at_admission,
     simulate,
+    with_profile_pool,
 )
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkError, data_plane
-from cluster.sim.profile import ProfileError
+from cluster.sim.profile import ProfileError, StepProfile
 from worker.protocol import InstanceRole
 
 BENCH_NAME = "duet_sim"
@@ -132,6 +134,18 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         if value is not None:
             counts[role] = value
     return config.with_instances(counts) if counts else config
+
+
+def profile_pool(config: ClusterConfig, profile: StepProfile, command: str) -> ClusterConfig:
+    """The configuration with the profile's KV pool where it sizes none (with_profile_pool), saying so."""
+    sized = with_profile_pool(config, profile)
+    if sized is not config:
+        print(
+            f"{command}: KV pool per instance: {pool_summary(sized, profile)}, the {profile.name} profile's estimate of one "
+            f"{profile.device}'s memory less the weights (engine.num_blocks or engine.kv_cache_bytes in --config sets it)",
+            file=sys.stderr, flush=True,
+        )
+    return sized
 
 
 def sim_settings(args: argparse.Namespace, sampling: Any, seed: int) -> SimSettings:
@@ -219,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
             dataset = load_sharegpt(settings.workload.dataset_path)
         except WorkloadError as error:
             raise CliError(f"--dataset: {error.message}", EXIT_USAGE) from None
-    config = cluster_config(args)
     sim = sim_settings(args, dataclasses.replace(settings.sampling, timeout_s=None), settings.seed)
+    config = profile_pool(cluster_config(args), sim.profile, "duet sim")
     results: list[PointResult] = []
     outcomes: list[SimOutcome] = []
     for position, point in enumerate(settings.points):

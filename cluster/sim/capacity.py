@@ -20,6 +20,12 @@ from cluster.sim.profile import StepProfile, context_pairs
 from worker.engine_types import EngineConfig
 
 
+def pool_blocks(engine: EngineConfig, profile: StepProfile) -> int:
+    """An instance's KV pool in blocks: engine.num_blocks, or what engine.kv_cache_bytes holds of
+    the profile's model."""
+    return engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
+
+
 def prefill_rps(profile: StepProfile, engine: EngineConfig, mean_prompt_tokens: float) -> float:
     chunk = engine.max_num_tokens
     # A full step of chunks of the mean prompt's size (attention within each prompt only).
@@ -47,7 +53,7 @@ def cluster_rps(
     mean_prompt_tokens: float,
     mean_output_tokens: float,
 ) -> float:
-    num_blocks = engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
+    num_blocks = pool_blocks(engine, profile)
     prefill = prefill_rps(profile, engine, mean_prompt_tokens)
     decode = decode_rps(profile, engine, num_blocks, mean_prompt_tokens, mean_output_tokens)
     others = num_prefill + num_generation + num_mixed - 1

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.loadgen.arrivals import Arrivals
 from cluster.loadgen.metrics import RequestRecord, Slo, compute_metrics
@@ -31,13 +33,13 @@ from cluster.loadgen.runner import LoadRunner, PointResult, SamplingSpec
 from cluster.loadgen.workloads import BenchRequest
 from cluster.router.api import ErrorKind
 from cluster.router.driver import Router
+from cluster.sim.capacity import pool_blocks
 from cluster.sim.client import RouterClient
 from cluster.sim.instance import SimInstance, SimNetwork
 from cluster.sim.link import DATA_PLANES, DEFAULT_PLANE, LinkModel, Network
 from cluster.sim.profile import StepProfile
 from cluster.sim.vclock import run_virtual
 from scheduler.block_hash import memoise_prompts
-from worker.engine_types import EngineConfig
 from worker.kv_transfer.faults import FaultInjector
 from worker.tokenizer import ByteTokenizer
 
@@ -140,10 +142,32 @@ class SimOutcome:
         }
 
 
-def pool_blocks(engine: EngineConfig, profile: StepProfile) -> int:
-    """An instance's KV pool in blocks: engine.num_blocks, or what engine.kv_cache_bytes holds of
-    the profile's model."""
-    return engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
+# The engine settings that size an instance's KV pool.
+_POOL_SETTINGS = ("num_blocks", "kv_cache_bytes")
+
+
+def with_profile_pool(config: ClusterConfig, profile: StepProfile) -> ClusterConfig:
+    """The configuration with the profile's KV pool (`kv_pool_bytes`: a roofline's estimate of the
+    device's memory) as engine.kv_cache_bytes when its engine section sizes none (a group that
+    sizes its own keeps it). The engine's default pool (256 MiB) is a CPU instance's: it holds one
+    2,048-token request of an 8B model, and a GPU simulated with it would serve one request at a
+    time. duet sim and duet plan apply it, so that the YAML duet plan writes says what was simulated."""
+    if profile.kv_pool_bytes is None or any(name in config.engine for name in _POOL_SETTINGS):
+        return config
+    return msgspec.structs.replace(config, engine={**config.engine, "kv_cache_bytes": profile.kv_pool_bytes})
+
+
+def pool_summary(config: ClusterConfig, profile: StepProfile) -> str:
+    """The instances' KV pool in blocks and tokens, per instance group where they differ, in words
+    (duet sim and duet plan print it)."""
+    parts = {}
+    for group in config.instances:
+        engine = config.engine_config(group)
+        blocks = pool_blocks(engine, profile)
+        parts[group.role.name] = f"{blocks:,} blocks ({blocks * engine.tokens_per_block:,} tokens)"
+    if len(set(parts.values())) == 1:
+        return next(iter(parts.values()))
+    return "; ".join(f"{role} {text}" for role, text in parts.items())
 
 
 def pool_shortfalls(

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.router.instance_client import InstanceRejected, InstanceUnavailable
+from cluster.sim.capacity import pool_blocks
 from cluster.sim.link import Network
 from cluster.sim.profile import StepProfile, context_pairs
 from scheduler.block_manager import BlockManager
@@ -179,8 +180,7 @@ class SimInstance:
         # Draws each step's spread (StepProfile.step_time_ratios); seeded per instance by the cluster.
         self._rng = rng if rng is not None else random.Random(instance_id)
         tpb = config.tokens_per_block
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // (profile.kv_bytes_per_token * tpb))
-        self.num_blocks = num_blocks
+        self.num_blocks = pool_blocks(config, profile)
         self.address = f"sim:{instance_id}"
         network.by_address[self.address] = self
         self.layout = KvLayout(

@@ -79,6 +79,10 @@ class StepProfile:
     frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
     # A step's slowdown per other instance mid-step as it starts (the module docstring).
     contention: float = 0.0
+    # One instance's KV pool on the profiled device, for instances whose configuration sizes none
+    # (cluster/sim/cluster.py with_profile_pool): a roofline's estimate of device memory less the
+    # weights; None for measured profiles, whose engine configuration is the one measured.
+    kv_pool_bytes: int | None = None
     notes: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # how it was measured: samples, residuals
 
@@ -102,6 +106,9 @@ class StepProfile:
                 raise ProfileError(f"{name}: a number >= 0 or null, got {value!r}")
         if not isinstance(self.kv_bytes_per_token, int) or self.kv_bytes_per_token <= 0:
             raise ProfileError(f"kv_bytes_per_token: a positive integer, got {self.kv_bytes_per_token!r}")
+        pool = self.kv_pool_bytes
+        if pool is not None and (type(pool) is not int or pool < self.kv_bytes_per_token):
+            raise ProfileError(f"kv_pool_bytes: null or an integer of at least kv_bytes_per_token, got {pool!r}")
 
     def step_s(self, context_tokens: int, context_pairs: int, decode_sequences: int, decode_context_tokens: int) -> float:
         """Seconds of one step that runs these (0 for an empty step: the engine does not step)."""

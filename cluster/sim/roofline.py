@@ -14,6 +14,12 @@ The model, per step (cluster/sim/profile.py, combine = "max"):
   plus each generation request's KV read (KV bytes per token x its context length);
 - the step takes the larger of the two, plus the overhead.
 
+The KV pool of one instance (`kv_pool_bytes`, what `duet sim` gives an instance whose configuration
+sizes no pool): device memory x `memory_utilization` (0.9, vLLM's default), less
+`activation_reserve` (5 % of device memory: activations, the CUDA context) and the weights with
+their embedding table; Llama 3 8B on an H100 keeps ~53 GiB, ~432,000 tokens. A model whose weights
+do not fit one device gets none (tensor parallelism is not modelled).
+
 What it leaves out, and why it is an estimate: attention kernels below peak at short contexts,
 communication between tensor-parallel ranks, CUDA graphs, quantised kernels, and the decode-side
 compute of attention. Measure (`duet profile`) wherever the device is at hand.
@@ -44,6 +50,12 @@ class LlamaShape:
         mlp = 3 * h * self.intermediate_size  # gate, up, down (SwiGLU)
         return self.num_layers * (attention + mlp) + self.vocab_size * h  # + the LM head (embedding reads are rows)
 
+    @property
+    def stored_parameters(self) -> int:
+        """The weights held in memory: `parameters` and the embedding table (read as rows, but
+        stored; none of these models ties it to the LM head)."""
+        return self.parameters + self.vocab_size * self.hidden_size
+
     def kv_bytes_per_token(self, kv_dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype_bytes
 
@@ -53,6 +65,10 @@ class Device:
     name: str
     peak_flops: float  # dense bf16/fp16 FLOP/s, from the datasheet
     memory_bandwidth_bytes_per_s: float
+    memory_bytes: int  # device memory as the driver reports it (nvidia-smi's total)
+
+
+MIB = 1 << 20
 
 
 # Hugging Face config.json figures.
@@ -62,12 +78,12 @@ MODELS: dict[str, LlamaShape] = {
     "qwen2-7b": LlamaShape("qwen2-7b", 28, 3584, 28, 4, 128, 18944, 152064),
     "mistral-7b": LlamaShape("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32000),
 }
-# Datasheet peaks (dense, no sparsity).
+# Datasheet peaks (dense, no sparsity); memory as nvidia-smi reports it.
 DEVICES: dict[str, Device] = {
-    "h100-sxm": Device("h100-sxm", 989e12, 3.35e12),
-    "h200": Device("h200", 989e12, 4.8e12),
-    "a100-80g": Device("a100-80g", 312e12, 2.04e12),
-    "l40s": Device("l40s", 362e12, 0.864e12),
+    "h100-sxm": Device("h100-sxm", 989e12, 3.35e12, 81_559 * MIB),
+    "h200": Device("h200", 989e12, 4.8e12, 143_771 * MIB),
+    "a100-80g": Device("a100-80g", 312e12, 2.04e12, 81_920 * MIB),
+    "l40s": Device("l40s", 362e12, 0.864e12, 46_068 * MIB),
 }
 
 
@@ -81,6 +97,17 @@ class RooflineInputs:
     memory_efficiency: float = 0.8  # achievable fraction of peak bandwidth in streaming reads
     step_overhead_s: float = 2e-3  # launches, scheduler, sampler per step
     handover_fixed_s: float = 2e-3  # Prepare + Commit round trips of one hand-over
+    # The KV pool: the share of device memory the engine takes (vLLM's gpu_memory_utilization
+    # default), less the weights and a reserve for activations and the CUDA context.
+    memory_utilization: float = 0.9
+    activation_reserve: float = 0.05  # of device memory
+
+    def kv_pool_bytes(self) -> int | None:
+        """One instance's KV pool on the device (one GPU, no tensor parallelism); None when the
+        weights leave no room."""
+        device_bytes = self.device.memory_bytes
+        free = device_bytes * (self.memory_utilization - self.activation_reserve) - self.model.stored_parameters * self.weight_bytes
+        return int(free) if free >= self.model.kv_bytes_per_token(self.kv_bytes) else None
 
 
 def roofline_profile(inputs: RooflineInputs) -> StepProfile:
@@ -103,7 +130,9 @@ def roofline_profile(inputs: RooflineInputs) -> StepProfile:
         handover_fixed_s=inputs.handover_fixed_s,
         kv_bytes_per_token=kv_per_token,
         combine="max",
-        notes="an analytical estimate (cluster/sim/roofline.py), not a measurement",
+        kv_pool_bytes=inputs.kv_pool_bytes(),
+        notes="an analytical estimate (cluster/sim/roofline.py), not a measurement"
+        + ("" if inputs.kv_pool_bytes() is not None else f"; the weights do not fit one {device.name} (no KV pool estimate)"),
         fit={"inputs": {**asdict(inputs), "parameters": model.parameters}},
     )
 

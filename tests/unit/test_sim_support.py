@@ -210,10 +210,13 @@ def test_duet_sim_names_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_duet_sim_and_plan_say_when_the_kv_pool_cannot_hold_the_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
 
-    # The roofline Llama 3 8B profile at the default engine.kv_cache_bytes (256 MiB): 128 blocks of
-    # 16 tokens. Log-normal prompts around 1,200 tokens: some exceed the pool with their outputs.
+    # The roofline Llama 3 8B profile with a pool of 256 MiB (the engine's default, given explicitly:
+    # unsized, the profile's estimate of the device's memory would apply): 128 blocks of 16 tokens.
+    # Log-normal prompts around 1,200 tokens: some exceed the pool with their outputs.
+    config = tmp_path / "small-pool.yaml"
+    config.write_text("engine: {kv_cache_bytes: 268435456}\n")
     workload = ["--workload", "lognormal", "--num-requests", "30", "--input-len", "1200", "--output-len", "64"]
-    cluster = ["--profile", "roofline:h100-sxm:llama-3-8b", "--out", str(tmp_path), "--no-plots"]
+    cluster = ["--config", str(config), "--profile", "roofline:h100-sxm:llama-3-8b", "--out", str(tmp_path), "--no-plots"]
     common = [*cluster, *workload]
     assert main(["sim", "--instances", "1P,1G", "--rate", "2", "--no-progress", *common]) == 0
     err = capsys.readouterr().err
@@ -224,6 +227,49 @@ def test_duet_sim_and_plan_say_when_the_kv_pool_cannot_hold_the_workload(tmp_pat
     assert main(["sim", "--instances", "1P,1G", "--rate", "2", "--no-progress", *cluster, "--workload", "fixed",
                  "--num-requests", "5", "--input-len", "3000", "--output-len", "8"]) == 2
     assert "holds none of the workload's requests" in capsys.readouterr().err
+
+
+def test_a_roofline_profile_sizes_the_kv_pool_of_a_configuration_that_sizes_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+    from cluster.deploy.config import ClusterConfig
+    from cluster.sim.capacity import pool_blocks
+    from cluster.sim.cluster import with_profile_pool
+
+    model, device = MODELS["llama-3-8b"], DEVICES["h100-sxm"]
+    profile = roofline_profile(RooflineInputs(model, device))
+    # 90 % of 81,559 MiB less 5 % and less the weights with the embedding table (8.03e9 in bf16).
+    expected = int(81_559 * 2**20 * 0.85 - 8_029_995_008 * 2)
+    assert model.stored_parameters == 8_029_995_008 and profile.kv_pool_bytes == expected
+    assert StepProfile.from_dict(profile.to_dict()).kv_pool_bytes == expected
+    seventy = load_profile("roofline:h100-sxm:llama-3-70b")  # 141 GB of weights: no room on one device
+    assert seventy.kv_pool_bytes is None and "do not fit" in seventy.notes
+    with pytest.raises(ProfileError, match="kv_pool_bytes"):
+        StepProfile.from_dict({**profile.to_dict(), "kv_pool_bytes": 5})
+
+    unsized = ClusterConfig()
+    sized = with_profile_pool(unsized, profile)
+    engine = sized.engine_config(sized.instances[0])
+    assert engine.kv_cache_bytes == expected and pool_blocks(engine, profile) == expected // (model.kv_bytes_per_token(2) * 16) == 27_004
+    # A configuration that sizes its pool, or a measured profile (none of its own), keeps the configured one.
+    for given in ({"num_blocks": 500}, {"kv_cache_bytes": 1 << 30}):
+        config = ClusterConfig.from_dict({"engine": given})
+        assert with_profile_pool(config, profile) is config
+    assert with_profile_pool(unsized, load_profile("cpu-builtin")) is unsized
+    # A group that sizes its own keeps it; the others take the estimate.
+    grouped = with_profile_pool(ClusterConfig.from_dict({"instances": [
+        {"role": "PREFILL", "count": 1, "engine": {"num_blocks": 300}}, {"role": "GENERATION", "count": 1}]}), profile)
+    assert [pool_blocks(grouped.engine_config(g), profile) for g in grouped.instances] == [300, 27_004]
+
+    # duet sim says where the pool came from; duet plan writes it into the YAML duet serve reads.
+    common = ["--profile", "roofline:h100-sxm:llama-3-8b", "--workload", "fixed", "--num-requests", "20", "--input-len", "64",
+              "--output-len", "16", "--no-plots"]
+    assert main(["sim", "--instances", "1P,1G", "--rate", "50", "--no-progress", "--out", str(tmp_path / "sim"), *common]) == 0
+    assert "duet sim: KV pool per instance: 27,004 blocks (432,064 tokens), the roofline-h100-sxm-llama-3-8b" in capsys.readouterr().err
+    assert main(["plan", "--instances", "2", "--policies", "round_robin", "--splits", "0", "--duration", "1", "--jobs", "1",
+                 "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50", "--out", str(tmp_path / "plan"), *common]) == 0
+    assert "duet plan: KV pool per instance: 27,004 blocks (432,064 tokens)" in capsys.readouterr().err
+    written = ClusterConfig.from_yaml(tmp_path / "plan" / "best-cluster.yaml")
+    assert written.engine["kv_cache_bytes"] == expected
 
 
 def test_duet_sim_and_plan_say_when_the_routers_admission_limit_capped_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
