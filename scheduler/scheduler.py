@@ -28,6 +28,9 @@ class ScheduleOutput:
     disagg_generation_init: list[LlmRequest] = field(default_factory=list)
     paused: list[LlmRequest] = field(default_factory=list)
     num_tokens: int = 0
+    # Requests the capacity scheduler admitted (may hold KV this step, disagg-init ones included):
+    # at max_num_requests, that limit and not the KV pool decided who waits.
+    num_admitted: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -84,4 +87,5 @@ class TwoLevelScheduler:
             disagg_generation_init=admitted.disagg_generation_init,
             paused=admitted.paused,
             num_tokens=batch.num_tokens,
+            num_admitted=len(admitted.fitting) + len(admitted.disagg_generation_init),
         )

@@ -37,7 +37,7 @@ from cluster.loadgen.workloads import (
     build_workload,
     load_sharegpt,
 )
-from cluster.sim.cluster import pool_shortfalls
+from cluster.sim.cluster import REQUEST_LIMITED_WARN_SHARE, pool_shortfalls
 from cluster.sim.plan import (
     MIN_WINDOW_LIVES,
     POLICIES,
@@ -135,6 +135,20 @@ def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Pat
     return save_figure(figure, path, dpi=110)
 
 
+def _request_limited(results: list) -> list[str]:
+    """The candidates whose probe at the highest rate they passed ran at least
+    REQUEST_LIMITED_WARN_SHARE of some role's steps at the engine's request limit
+    (cluster/sim/plan.py Probe.request_limited)."""
+    labels = []
+    for result in results:
+        passed = [probe for probe in result.probes if probe.passed]
+        if passed:
+            top = max(passed, key=lambda probe: probe.rate_per_s)
+            if max(top.request_limited.values(), default=0.0) >= REQUEST_LIMITED_WARN_SHARE:
+                labels.append(result.candidate.label)
+    return labels
+
+
 def _bounds(result: CandidateResult, num_instances: int) -> tuple[object, object]:
     """The table's max rate and goodput per instance: "< x" for a candidate left below the best
     rate (not searched further), ">= x" for one that passed every rate tried."""
@@ -216,6 +230,16 @@ def run(args: argparse.Namespace) -> int:
             f"{base.router.admission.max_queued_requests}) in probes of {len(capped)} of {len(results)} candidates "
             f"({', '.join(capped[:3])}{', ...' if len(capped) > 3 else ''}): that limit, not the instances, capped their "
             "rates; raise it in --config for a cluster this size",
+            file=sys.stderr,
+        )
+    limited = _request_limited(results)
+    if limited:
+        print(
+            f"duet plan: warning: at the highest rate each passed, {len(limited)} of {len(results)} candidates "
+            f"({', '.join(limited[:3])}{', ...' if len(limited) > 3 else ''}) ran at least "
+            f"{REQUEST_LIMITED_WARN_SHARE:.0%} of some role's steps at the engine's request limit (engine.max_num_requests: "
+            f"{', '.join(map(str, sorted({base.engine_config(g).max_num_requests for g in groups})))}) with requests "
+            "waiting: that limit, not the simulated device, shaped their rates; raise it in --config for the device you plan for",
             file=sys.stderr,
         )
     rows = [

@@ -47,6 +47,8 @@ from cluster.sim.cluster import (
     pool_shortfalls,
     pool_summary,
     refused_at_admission,
+    request_limit_warning,
+    request_limited_by_role,
     simulate,
     with_profile_pool,
 )
@@ -252,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(error), EXIT_USAGE) from None
         results.append(outcome.point)
         outcomes.append(outcome)
+        limited = request_limit_warning(config, request_limited_by_role(outcome.instances))
+        if limited:
+            print(f"duet sim: warning: {point.label}: {limited}", file=sys.stderr, flush=True)
         refused = sum(refused_at_admission(record) for record in outcome.point.outcome.records)
         if refused:
             print(

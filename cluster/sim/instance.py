@@ -129,6 +129,9 @@ class InstanceStats:
     bytes_sent: int = 0
     finished: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    # Steps the engine's request limit (max_num_requests) bound: it admitted that many while it held
+    # more (engine.max_num_requests, not the KV pool or the step time, kept the rest waiting).
+    request_limited_steps: int = 0
 
 
 class SimNetwork:
@@ -523,6 +526,9 @@ class SimInstance:
             self._stepping = False
             self._wake()
             return
+        limit = self.config.max_num_requests
+        if schedule.num_admitted >= limit and len(self._active) > limit:
+            self.stats.request_limited_steps += 1
         context_tokens = pairs = decode_context = 0
         for llm in schedule.context:
             request = self._requests[llm.request_id]

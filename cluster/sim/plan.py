@@ -42,7 +42,13 @@ from cluster.loadgen.arrivals import PoissonArrivals
 from cluster.loadgen.metrics import RequestRecord, Slo
 from cluster.loadgen.workloads import BenchRequest
 from cluster.router.config import DisaggMode, KvAwareParams, LeastLoadedParams, RoundRobinParams
-from cluster.sim.cluster import SIM_VOCAB_SIZE, SimSettings, refused_at_admission, simulate_async
+from cluster.sim.cluster import (
+    SIM_VOCAB_SIZE,
+    SimSettings,
+    refused_at_admission,
+    request_limited_by_role,
+    simulate_async,
+)
 from cluster.sim.vclock import run_virtual
 from worker.protocol import InstanceRole
 
@@ -111,6 +117,9 @@ class Probe:
     # Requests the router refused at its admission limit (router.admission.max_queued_requests):
     # misses the configuration caused, not the instances.
     refused: int = 0
+    # Per role, the share of steps at the engine's request limit with requests waiting (the limit,
+    # not the simulated device, capped those batches: cluster/sim/cluster.py request_limited_by_role).
+    request_limited: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -263,8 +272,11 @@ async def _probe(
             verdict.on_deadline(index)
 
     watcher = loop.create_task(watch())
+    instances: list = []
     simulation = loop.create_task(
-        simulate_async(config, settings, requests, arrivals, slo, on_done=verdict.on_done, on_start=started.set_result)
+        simulate_async(
+            config, settings, requests, arrivals, slo, on_done=verdict.on_done, on_start=started.set_result, instances_out=instances
+        )
     )
     await asyncio.wait({simulation, verdict.decided}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
@@ -273,11 +285,17 @@ async def _probe(
         records = simulation.result().point.outcome.records
         met = sum(1 for record in records if slo.met_by(record))
         refused = sum(refused_at_admission(record) for record in records)
-        return Probe(rate, met / len(requests), len(records), met >= verdict.needed, len(requests), refused=refused)
+        return Probe(
+            rate, met / len(requests), len(records), met >= verdict.needed, len(requests), refused=refused,
+            request_limited=request_limited_by_role(instances),
+        )
     simulation.cancel()  # decided: the rest of the window cannot change the verdict
     passed = verdict.decided.result()
     share = verdict.met if passed else verdict.count - verdict.missed
-    return Probe(rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True, refused=verdict.refused)
+    return Probe(
+        rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True, refused=verdict.refused,
+        request_limited=request_limited_by_role(instances),
+    )
 
 
 

@@ -242,6 +242,15 @@ def test_priority_reorder_changes_admission() -> None:
     assert [r.request_id for r in ranked.context] == ["high"]
 
 
+def test_the_schedule_counts_what_the_capacity_scheduler_admitted() -> None:
+    # max_num_requests 2 of 3 prompts that all fit: two admitted; a batch of 1 runs only one of them.
+    kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=16, max_attention_window=64))
+    active = [LlmRequest(f"r{i}", [i + 1] * 6, 2) for i in range(3)]
+    output = TwoLevelScheduler(SchedulerConfig(2, 1), kv).schedule(active)
+    assert [r.request_id for r in output.context] == ["r0"] and output.num_admitted == 2
+    assert TwoLevelScheduler(SchedulerConfig(8, 8), kv).schedule(active).num_admitted == 3
+
+
 # --- block manager -----------------------------------------------------------------------------
 def _chain_block_by_block(tokens: list[int], tpb: int, lora: int | None) -> list[int]:
     """The chain as scheduler/block_hash.py defines it, computed here without its memo."""

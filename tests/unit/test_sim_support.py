@@ -272,6 +272,30 @@ def test_a_roofline_profile_sizes_the_kv_pool_of_a_configuration_that_sizes_none
     assert written.engine["kv_cache_bytes"] == expected
 
 
+def test_duet_sim_and_plan_say_when_the_engines_request_limit_capped_the_batches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+
+    config = tmp_path / "cluster.yaml"
+    common = ["--config", str(config), "--profile", "roofline:h100-sxm:llama-3-8b", "--workload", "fixed", "--num-requests", "40",
+              "--input-len", "64", "--output-len", "32", "--out", str(tmp_path / "out"), "--no-plots"]
+    # 4 requests per instance against a burst of 40: most steps run 4 while the rest wait.
+    config.write_text("engine: {max_num_requests: 4}\n")
+    assert main(["sim", "--instances", "1M", "--rate", "1000", "--no-progress", *common]) == 0
+    err = capsys.readouterr().err
+    assert "of the MIXED instances' steps ran at the engine's request limit (engine.max_num_requests: 4)" in err
+    document = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert document["simulation"]["points"][0]["request_limited_by_role"]["MIXED"] >= 0.5
+    assert main(["plan", "--instances", "2", "--policies", "round_robin", "--splits", "0", "--duration", "1", "--jobs", "1",
+                 "--slo-ttft-ms", "5000", "--slo-tpot-ms", "50", *common]) == 0
+    assert "ran at least 50% of some role's steps at the engine's request limit (engine.max_num_requests: 4)" in capsys.readouterr().err
+    # A limit the burst never reaches: no warning.
+    config.write_text("engine: {max_num_requests: 64}\n")
+    assert main(["sim", "--instances", "1M", "--rate", "1000", "--no-progress", *common]) == 0
+    assert "request limit" not in capsys.readouterr().err
+    document = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert document["simulation"]["points"][0]["request_limited_by_role"] == {"MIXED": 0.0}
+
+
 def test_duet_sim_and_plan_say_when_the_routers_admission_limit_capped_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
 
