@@ -37,7 +37,7 @@ from cluster.loadgen.workloads import (
     build_workload,
     load_sharegpt,
 )
-from cluster.sim.cluster import REQUEST_LIMITED_WARN_SHARE, pool_shortfalls
+from cluster.sim.cluster import REQUEST_LIMITED_WARN_SHARE, pool_shortfalls, request_limits
 from cluster.sim.plan import (
     MIN_WINDOW_LIVES,
     POLICIES,
@@ -237,9 +237,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"duet plan: warning: at the highest rate each passed, {len(limited)} of {len(results)} candidates "
             f"({', '.join(limited[:3])}{', ...' if len(limited) > 3 else ''}) ran at least "
-            f"{REQUEST_LIMITED_WARN_SHARE:.0%} of some role's steps at the engine's request limit (engine.max_num_requests: "
-            f"{', '.join(map(str, sorted({base.engine_config(g).max_num_requests for g in groups})))}) with requests "
-            "waiting: that limit, not the simulated device, shaped their rates; raise it in --config for the device you plan for",
+            f"{REQUEST_LIMITED_WARN_SHARE:.0%} of some role's steps at the engine's request limits ({request_limits(base)}) "
+            "with requests waiting: those limits, not the simulated device, shaped their rates; raise them in --config for the "
+            "device you plan for",
             file=sys.stderr,
         )
     rows = [

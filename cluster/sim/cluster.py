@@ -20,7 +20,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,7 +106,7 @@ class InstanceReport:
     transfers_failed: int
     bytes_sent: int
     bytes_received: int
-    request_limited_steps: int = 0  # steps at engine.max_num_requests with more requests held
+    request_limited_steps: int = 0  # steps at engine.max_num_requests / max_batch_size with more requests waiting
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -296,8 +296,9 @@ async def simulate_async(
 
 
 def request_limited_by_role(reports: Sequence[InstanceReport | SimInstance]) -> dict[str, float]:
-    """Per role, the share of its instances' steps taken at engine.max_num_requests with more
-    requests held (InstanceStats.request_limited_steps), from reports or the instances themselves."""
+    """Per role, the share of its instances' steps taken at the engine's request limits
+    (engine.max_num_requests, engine.max_batch_size) with more requests waiting
+    (InstanceStats.request_limited_steps), from reports or the instances themselves."""
     steps: dict[str, list[int]] = {}
     for report in reports:
         if isinstance(report, SimInstance):
@@ -310,10 +311,10 @@ def request_limited_by_role(reports: Sequence[InstanceReport | SimInstance]) -> 
     return {role: round(limited / max(total, 1), 4) for role, (limited, total) in sorted(steps.items())}
 
 
-# A role whose steps ran at the request limit this often was capped by it (duet sim and plan warn).
+# A role whose steps ran at the request limits this often was capped by them (duet sim and plan warn).
 # Near a configuration's highest rate some steps reach any limit; in a duet plan of 2 H100s (roofline,
-# 256 / 128 tokens) 72 % of the steps at the best rate ran at a limit of 64 and raising it to 256
-# lifted the rate 1.8x, while 45 % ran at 256 and raising it to 1,024 lifted it 1.06x.
+# 256 / 128 tokens) 72 % of the steps at the best rate ran at limits of 64 and raising them to 256
+# lifted the rate 1.8x, while 45 % ran at 256 and raising them to 1,024 lifted it 1.06x.
 REQUEST_LIMITED_WARN_SHARE = 0.5
 
 
@@ -322,12 +323,20 @@ def request_limit_warning(config: ClusterConfig, shares: dict[str, float]) -> st
     capped = {role: share for role, share in shares.items() if share >= REQUEST_LIMITED_WARN_SHARE}
     if not capped:
         return None
-    limits = sorted({config.engine_config(g).max_num_requests for g in config.instances if g.role.name in capped})
     where = " and ".join(f"{share:.0%} of the {role} instances' steps" for role, share in capped.items())
     return (
-        f"{where} ran at the engine's request limit (engine.max_num_requests: {', '.join(map(str, limits))}) with more "
-        "requests waiting: that limit, not the KV pool or the step time, capped their batches; raise it in --config "
-        "for the device you simulate"
+        f"{where} ran at the engine's request limits ({request_limits(config, capped)}) with more requests waiting: those "
+        "limits, not the KV pool or the step time, capped their batches; raise them in --config for the device you simulate"
+    )
+
+
+def request_limits(config: ClusterConfig, roles: Collection[str] | None = None) -> str:
+    """engine.max_num_requests and engine.max_batch_size of the instance groups (of `roles`), in words."""
+    engines = [config.engine_config(g) for g in config.instances if roles is None or g.role.name in roles]
+    requests = sorted({engine.max_num_requests for engine in engines})
+    batches = sorted({engine.max_batch_size for engine in engines})
+    return (
+        f"engine.max_num_requests: {', '.join(map(str, requests))}, engine.max_batch_size: {', '.join(map(str, batches))}"
     )
 
 

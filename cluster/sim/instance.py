@@ -129,8 +129,9 @@ class InstanceStats:
     bytes_sent: int = 0
     finished: int = 0
     batch_sizes: list[int] = field(default_factory=list)
-    # Steps the engine's request limit (max_num_requests) bound: it admitted that many while it held
-    # more (engine.max_num_requests, not the KV pool or the step time, kept the rest waiting).
+    # Steps the engine's request limits bound: it admitted max_num_requests while it held more, or
+    # ran max_batch_size while it admitted more (those limits, not the KV pool or the step time,
+    # kept the rest waiting).
     request_limited_steps: int = 0
 
 
@@ -526,8 +527,10 @@ class SimInstance:
             self._stepping = False
             self._wake()
             return
-        limit = self.config.max_num_requests
-        if schedule.num_admitted >= limit and len(self._active) > limit:
+        engine, admitted = self.config, schedule.num_admitted
+        if (admitted >= engine.max_num_requests and len(self._active) > admitted) or (
+            len(schedule.context) + len(schedule.generation) >= engine.max_batch_size and admitted > engine.max_batch_size
+        ):
             self.stats.request_limited_steps += 1
         context_tokens = pairs = decode_context = 0
         for llm in schedule.context:

@@ -282,16 +282,20 @@ def test_duet_sim_and_plan_say_when_the_engines_request_limit_capped_the_batches
     config.write_text("engine: {max_num_requests: 4}\n")
     assert main(["sim", "--instances", "1M", "--rate", "1000", "--no-progress", *common]) == 0
     err = capsys.readouterr().err
-    assert "of the MIXED instances' steps ran at the engine's request limit (engine.max_num_requests: 4)" in err
+    assert "of the MIXED instances' steps ran at the engine's request limits (engine.max_num_requests: 4, engine.max_batch_size: 64)" in err
     document = json.loads((tmp_path / "out" / "results.json").read_text())
     assert document["simulation"]["points"][0]["request_limited_by_role"]["MIXED"] >= 0.5
     assert main(["plan", "--instances", "2", "--policies", "round_robin", "--splits", "0", "--duration", "1", "--jobs", "1",
                  "--slo-ttft-ms", "5000", "--slo-tpot-ms", "50", *common]) == 0
-    assert "ran at least 50% of some role's steps at the engine's request limit (engine.max_num_requests: 4)" in capsys.readouterr().err
+    assert "ran at least 50% of some role's steps at the engine's request limits (engine.max_num_requests: 4," in capsys.readouterr().err
+    # The micro-batch's limit binds the same way.
+    config.write_text("engine: {max_batch_size: 4}\n")
+    assert main(["sim", "--instances", "1M", "--rate", "1000", "--no-progress", *common]) == 0
+    assert "(engine.max_num_requests: 64, engine.max_batch_size: 4) with more requests waiting" in capsys.readouterr().err
     # A limit the burst never reaches: no warning.
     config.write_text("engine: {max_num_requests: 64}\n")
     assert main(["sim", "--instances", "1M", "--rate", "1000", "--no-progress", *common]) == 0
-    assert "request limit" not in capsys.readouterr().err
+    assert "request limits" not in capsys.readouterr().err
     document = json.loads((tmp_path / "out" / "results.json").read_text())
     assert document["simulation"]["points"][0]["request_limited_by_role"] == {"MIXED": 0.0}
 
