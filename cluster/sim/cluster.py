@@ -156,6 +156,8 @@ def with_profile_pool(config: ClusterConfig, profile: StepProfile) -> ClusterCon
     time. duet sim and duet plan apply it, so that the YAML duet plan writes says what was simulated."""
     if profile.kv_pool_bytes is None or any(name in config.engine for name in _POOL_SETTINGS):
         return config
+    if all(any(name in group.engine for name in _POOL_SETTINGS) for group in config.instances):
+        return config  # every group sizes its own
     return msgspec.structs.replace(config, engine={**config.engine, "kv_cache_bytes": profile.kv_pool_bytes})
 
 

@@ -259,6 +259,9 @@ def test_a_roofline_profile_sizes_the_kv_pool_of_a_configuration_that_sizes_none
     grouped = with_profile_pool(ClusterConfig.from_dict({"instances": [
         {"role": "PREFILL", "count": 1, "engine": {"num_blocks": 300}}, {"role": "GENERATION", "count": 1}]}), profile)
     assert [pool_blocks(grouped.engine_config(g), profile) for g in grouped.instances] == [300, 27_004]
+    every_group = ClusterConfig.from_dict({"instances": [
+        {"role": "PREFILL", "count": 1, "engine": {"num_blocks": 300}}, {"role": "GENERATION", "count": 1, "engine": {"num_blocks": 400}}]})
+    assert with_profile_pool(every_group, profile) is every_group
 
     # duet sim says where the pool came from; duet plan writes it into the YAML duet serve reads.
     common = ["--profile", "roofline:h100-sxm:llama-3-8b", "--workload", "fixed", "--num-requests", "20", "--input-len", "64",
