@@ -48,7 +48,6 @@ from cluster.sim.cluster import (
     pool_summary,
     refused_at_admission,
     request_limit_warning,
-    request_limited_by_role,
     simulate,
     with_profile_pool,
 )
@@ -254,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(error), EXIT_USAGE) from None
         results.append(outcome.point)
         outcomes.append(outcome)
-        limited = request_limit_warning(config, request_limited_by_role(outcome.instances))
+        limited = request_limit_warning(config, outcome.request_limited_by_role)
         if limited:
             print(f"duet sim: warning: {point.label}: {limited}", file=sys.stderr, flush=True)
         refused = sum(refused_at_admission(record) for record in outcome.point.outcome.records)

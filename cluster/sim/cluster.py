@@ -20,7 +20,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,10 @@ class SimOutcome:
     def transfer_bytes(self) -> int:
         return sum(report.bytes_sent for report in self.instances)
 
+    @property
+    def request_limited_by_role(self) -> dict[str, float]:
+        return request_limited_by_role((r.role, r.request_limited_steps, r.steps) for r in self.instances)
+
     def summary(self) -> dict[str, Any]:
         roles: dict[str, list[float]] = {}
         for report in self.instances:
@@ -134,7 +138,7 @@ class SimOutcome:
             "virtual_s": round(self.virtual_s, 3),
             "wall_s": round(self.wall_s, 3),
             "utilisation_by_role": {role: round(sum(u) / len(u), 4) for role, u in sorted(roles.items())},
-            "request_limited_by_role": request_limited_by_role(self.instances),
+            "request_limited_by_role": self.request_limited_by_role,
             "transfer_bytes": self.transfer_bytes,
             "transfers": sum(r.transfers_sent for r in self.instances),
             "transfers_failed": sum(r.transfers_failed for r in self.instances),
@@ -148,15 +152,20 @@ class SimOutcome:
 _POOL_SETTINGS = ("num_blocks", "kv_cache_bytes")
 
 
+def _sizes_pool(engine: dict[str, Any]) -> bool:
+    """Whether these engine settings (a configuration's or a group's) size the KV pool."""
+    return any(name in engine for name in _POOL_SETTINGS)
+
+
 def with_profile_pool(config: ClusterConfig, profile: StepProfile) -> ClusterConfig:
     """The configuration with the profile's KV pool (`kv_pool_bytes`: a roofline's estimate of the
     device's memory) as engine.kv_cache_bytes when its engine section sizes none (a group that
     sizes its own keeps it). The engine's default pool (256 MiB) is a CPU instance's: it holds one
     2,048-token request of an 8B model, and a GPU simulated with it would serve one request at a
     time. duet sim and duet plan apply it, so that the YAML duet plan writes says what was simulated."""
-    if profile.kv_pool_bytes is None or any(name in config.engine for name in _POOL_SETTINGS):
+    if profile.kv_pool_bytes is None or _sizes_pool(config.engine):
         return config
-    if all(any(name in group.engine for name in _POOL_SETTINGS) for group in config.instances):
+    if all(_sizes_pool(group.engine) for group in config.instances):
         return config  # every group sizes its own
     return msgspec.structs.replace(config, engine={**config.engine, "kv_cache_bytes": profile.kv_pool_bytes})
 
@@ -297,20 +306,16 @@ async def simulate_async(
     return SimOutcome(point, reports, router_figures, virtual_s, time.perf_counter() - wall_started, leaked)
 
 
-def request_limited_by_role(reports: Sequence[InstanceReport | SimInstance]) -> dict[str, float]:
+def request_limited_by_role(counts: Iterable[tuple[str, int, int]]) -> dict[str, float]:
     """Per role, the share of its instances' steps taken at the engine's request limits
-    (engine.max_num_requests, engine.max_batch_size) with more requests waiting
-    (InstanceStats.request_limited_steps), from reports or the instances themselves."""
-    steps: dict[str, list[int]] = {}
-    for report in reports:
-        if isinstance(report, SimInstance):
-            role, limited, total = report.role.name, report.stats.request_limited_steps, report.stats.steps
-        else:
-            role, limited, total = report.role, report.request_limited_steps, report.steps
-        totals = steps.setdefault(role, [0, 0])
-        totals[0] += limited
-        totals[1] += total
-    return {role: round(limited / max(total, 1), 4) for role, (limited, total) in sorted(steps.items())}
+    (engine.max_num_requests, engine.max_batch_size) with more requests waiting, from
+    (role, request-limited steps, steps) per instance (InstanceStats.request_limited_steps)."""
+    totals: dict[str, list[int]] = {}
+    for role, limited, steps in counts:
+        total = totals.setdefault(role, [0, 0])
+        total[0] += limited
+        total[1] += steps
+    return {role: round(limited / max(steps, 1), 4) for role, (limited, steps) in sorted(totals.items())}
 
 
 # A role whose steps ran at the request limits this often was capped by them (duet sim and plan warn).

@@ -49,6 +49,7 @@ from cluster.sim.cluster import (
     request_limited_by_role,
     simulate_async,
 )
+from cluster.sim.instance import SimInstance
 from cluster.sim.vclock import run_virtual
 from worker.protocol import InstanceRole
 
@@ -247,6 +248,12 @@ class _Verdict:
             self.decided.set_result(False)
 
 
+def _request_limited(instances: Sequence[SimInstance]) -> dict[str, float]:
+    """A probe's request-limited share of steps per role, read off its instances (a probe decided
+    early cancels the simulation before it reports them)."""
+    return request_limited_by_role((i.role.name, i.stats.request_limited_steps, i.stats.steps) for i in instances)
+
+
 async def _probe(
     config: ClusterConfig, settings: SimSettings, requests: Sequence[BenchRequest], rate: float, slo: Slo, attainment: float
 ) -> Probe:
@@ -272,7 +279,7 @@ async def _probe(
             verdict.on_deadline(index)
 
     watcher = loop.create_task(watch())
-    instances: list = []
+    instances: list[SimInstance] = []
     simulation = loop.create_task(
         simulate_async(
             config, settings, requests, arrivals, slo, on_done=verdict.on_done, on_start=started.set_result, instances_out=instances
@@ -287,14 +294,14 @@ async def _probe(
         refused = sum(refused_at_admission(record) for record in records)
         return Probe(
             rate, met / len(requests), len(records), met >= verdict.needed, len(requests), refused=refused,
-            request_limited=request_limited_by_role(instances),
+            request_limited=_request_limited(instances),
         )
     simulation.cancel()  # decided: the rest of the window cannot change the verdict
     passed = verdict.decided.result()
     share = verdict.met if passed else verdict.count - verdict.missed
     return Probe(
         rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True, refused=verdict.refused,
-        request_limited=request_limited_by_role(instances),
+        request_limited=_request_limited(instances),
     )
 
 

@@ -117,6 +117,7 @@ def roofline_profile(inputs: RooflineInputs) -> StepProfile:
     per_token_s = 2 * model.parameters / flops
     weights_read_s = model.parameters * inputs.weight_bytes / bandwidth
     kv_per_token = model.kv_bytes_per_token(inputs.kv_bytes)
+    pool_bytes = inputs.kv_pool_bytes()
     return StepProfile(
         name=f"roofline-{device.name}-{model.name}",
         source="roofline",
@@ -130,9 +131,9 @@ def roofline_profile(inputs: RooflineInputs) -> StepProfile:
         handover_fixed_s=inputs.handover_fixed_s,
         kv_bytes_per_token=kv_per_token,
         combine="max",
-        kv_pool_bytes=inputs.kv_pool_bytes(),
+        kv_pool_bytes=pool_bytes,
         notes="an analytical estimate (cluster/sim/roofline.py), not a measurement"
-        + ("" if inputs.kv_pool_bytes() is not None else f"; the weights do not fit one {device.name} (no KV pool estimate)"),
+        + ("" if pool_bytes is not None else f"; the weights do not fit one {device.name} (no KV pool estimate)"),
         fit={"inputs": {**asdict(inputs), "parameters": model.parameters}},
     )
 
