@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64uet_wire/v1/kv_transfer.proto\x12\x0c\x64uet_wire.v1\"\xa3\x01\n\x0cKvLayoutSpec\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x13\n\x0blayout_name\x18\x07 \x01(\t\"\xa7\x02\n\x10KvPrepareRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.duet_wire.v1.KvLayoutSpec\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_streams\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12<\n\x13\x63hecksum_algorithms\x18\x08 \x03(\x0e\x32\x1f.duet_wire.v1.ChecksumAlgorithm\x12+\n\tshm_offer\x18\t \x01(\x0b\x32\x18.duet_wire.v1.KvShmOffer\"B\n\nKvShmOffer\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0cprobe_offset\x18\x02 \x01(\x04\x12\r\n\x05probe\x18\x03 \x01(\x0c\"\x87\x02\n\x11KvPrepareResponse\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.duet_wire.v1.KvLayoutSpec\x12\x1b\n\x13\x65xpected_num_blocks\x18\x02 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bmax_streams\x18\x04 \x01(\r\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12;\n\x12\x63hecksum_algorithm\x18\x06 \x01(\x0e\x32\x1f.duet_wire.v1.ChecksumAlgorithm\x12+\n\ndata_plane\x18\x07 \x01(\x0e\x32\x17.duet_wire.v1.DataPlane\"\x87\x03\n\rKvChunkHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x06 \x01(\r\x12\x11\n\tblock_end\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\r\x12\x13\n\x0b\x62yte_length\x18\n \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x04\x12;\n\x12\x63hecksum_algorithm\x18\x0c \x01(\x0e\x32\x1f.duet_wire.v1.ChecksumAlgorithm\x12\x15\n\rend_of_stream\x18\r \x01(\x08\x12#\n\x03shm\x18\x0e \x01(\x0b\x32\x16.duet_wire.v1.KvShmRef\x12-\n\x06\x63ommit\x18\x0f \x01(\x0b\x32\x1d.duet_wire.v1.KvCommitRequest\"\x1a\n\x08KvShmRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\"D\n\x07KvChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.duet_wire.v1.KvChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9f\x01\n\x0eKvPushResponse\x12\x17\n\x0f\x63hunks_accepted\x18\x01 \x01(\r\x12\x18\n\x10\x63hunks_duplicate\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_accepted\x18\x03 \x01(\x04\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x17\n\x0f\x63hunks_received\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\"\x81\x01\n\x0fKvCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunks_sent\x18\x03 \x01(\x04\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x1c\n\x10output_token_ids\x18\x05 \x03(\rB\x02\x10\x01\"C\n\x10KvCommitResponse\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"~\n\x0eKvAbortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x33\n\x06reason\x18\x03 \x01(\x0e\x32#.duet_wire.v1.TransferFailureReason\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\"\n\x0fKvAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*\xd3\x04\n\x15TransferFailureReason\x12\'\n#TRANSFER_FAILURE_REASON_UNSPECIFIED\x10\x00\x12-\n)TRANSFER_FAILURE_REASON_CHECKSUM_MISMATCH\x10\x01\x12-\n)TRANSFER_FAILURE_REASON_DEADLINE_EXCEEDED\x10\x02\x12,\n(TRANSFER_FAILURE_REASON_PEER_UNAVAILABLE\x10\x03\x12/\n+TRANSFER_FAILURE_REASON_RESERVATION_EXPIRED\x10\x04\x12,\n(TRANSFER_FAILURE_REASON_UNKNOWN_TRANSFER\x10\x05\x12(\n$TRANSFER_FAILURE_REASON_INCOMPATIBLE\x10\x06\x12&\n\"TRANSFER_FAILURE_REASON_INCOMPLETE\x10\x07\x12%\n!TRANSFER_FAILURE_REASON_CANCELLED\x10\x08\x12.\n*TRANSFER_FAILURE_REASON_RESOURCE_EXHAUSTED\x10\t\x12+\n\'TRANSFER_FAILURE_REASON_UNAUTHENTICATED\x10\n\x12*\n&TRANSFER_FAILURE_REASON_PROTOCOL_ERROR\x10\x0b\x12$\n TRANSFER_FAILURE_REASON_INTERNAL\x10\x0c*P\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_PLANE_GRPC\x10\x01\x12\x12\n\x0e\x44\x41TA_PLANE_SHM\x10\x02*u\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_CRC32\x10\x01\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x02\x32\xa6\x02\n\nKvTransfer\x12J\n\x07Prepare\x12\x1e.duet_wire.v1.KvPrepareRequest\x1a\x1f.duet_wire.v1.KvPrepareResponse\x12=\n\x04Push\x12\x15.duet_wire.v1.KvChunk\x1a\x1c.duet_wire.v1.KvPushResponse(\x01\x12G\n\x06\x43ommit\x12\x1d.duet_wire.v1.KvCommitRequest\x1a\x1e.duet_wire.v1.KvCommitResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.duet_wire.v1.KvAbortRequest\x1a\x1d.duet_wire.v1.KvAbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64uet_wire/v1/kv_transfer.proto\x12\x0c\x64uet_wire.v1\"\xa3\x01\n\x0cKvLayoutSpec\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x18\n\x10tokens_per_block\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\x12\x13\n\x0blayout_name\x18\x07 \x01(\t\"\xa7\x02\n\x10KvPrepareRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.duet_wire.v1.KvLayoutSpec\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_streams\x18\x05 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12<\n\x13\x63hecksum_algorithms\x18\x08 \x03(\x0e\x32\x1f.duet_wire.v1.ChecksumAlgorithm\x12+\n\tshm_offer\x18\t \x01(\x0b\x32\x18.duet_wire.v1.KvShmOffer\"B\n\nKvShmOffer\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x14\n\x0cprobe_offset\x18\x02 \x01(\x04\x12\r\n\x05probe\x18\x03 \x01(\x0c\"\xa7\x02\n\x11KvPrepareResponse\x12*\n\x06layout\x18\x01 \x01(\x0b\x32\x1a.duet_wire.v1.KvLayoutSpec\x12\x1b\n\x13\x65xpected_num_blocks\x18\x02 \x01(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bmax_streams\x18\x04 \x01(\r\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12;\n\x12\x63hecksum_algorithm\x18\x06 \x01(\x0e\x32\x1f.duet_wire.v1.ChecksumAlgorithm\x12+\n\ndata_plane\x18\x07 \x01(\x0e\x32\x17.duet_wire.v1.DataPlane\x12\x1e\n\x16last_chunk_ends_stream\x18\x08 \x01(\x08\"\x87\x03\n\rKvChunkHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x06 \x01(\r\x12\x11\n\tblock_end\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\r\n\x05shape\x18\t \x03(\r\x12\x13\n\x0b\x62yte_length\x18\n \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x04\x12;\n\x12\x63hecksum_algorithm\x18\x0c \x01(\x0e\x32\x1f.duet_wire.v1.ChecksumAlgorithm\x12\x15\n\rend_of_stream\x18\r \x01(\x08\x12#\n\x03shm\x18\x0e \x01(\x0b\x32\x16.duet_wire.v1.KvShmRef\x12-\n\x06\x63ommit\x18\x0f \x01(\x0b\x32\x1d.duet_wire.v1.KvCommitRequest\"\x1a\n\x08KvShmRef\x12\x0e\n\x06offset\x18\x01 \x01(\x04\"D\n\x07KvChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.duet_wire.v1.KvChunkHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x9f\x01\n\x0eKvPushResponse\x12\x17\n\x0f\x63hunks_accepted\x18\x01 \x01(\r\x12\x18\n\x10\x63hunks_duplicate\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_accepted\x18\x03 \x01(\x04\x12\x11\n\tcommitted\x18\x04 \x01(\x08\x12\x17\n\x0f\x63hunks_received\x18\x05 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x06 \x01(\x04\"\x81\x01\n\x0fKvCommitRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63hunks_sent\x18\x03 \x01(\x04\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x1c\n\x10output_token_ids\x18\x05 \x03(\rB\x02\x10\x01\"C\n\x10KvCommitResponse\x12\x17\n\x0f\x63hunks_received\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"~\n\x0eKvAbortRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x33\n\x06reason\x18\x03 \x01(\x0e\x32#.duet_wire.v1.TransferFailureReason\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\"\n\x0fKvAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08*\xd3\x04\n\x15TransferFailureReason\x12\'\n#TRANSFER_FAILURE_REASON_UNSPECIFIED\x10\x00\x12-\n)TRANSFER_FAILURE_REASON_CHECKSUM_MISMATCH\x10\x01\x12-\n)TRANSFER_FAILURE_REASON_DEADLINE_EXCEEDED\x10\x02\x12,\n(TRANSFER_FAILURE_REASON_PEER_UNAVAILABLE\x10\x03\x12/\n+TRANSFER_FAILURE_REASON_RESERVATION_EXPIRED\x10\x04\x12,\n(TRANSFER_FAILURE_REASON_UNKNOWN_TRANSFER\x10\x05\x12(\n$TRANSFER_FAILURE_REASON_INCOMPATIBLE\x10\x06\x12&\n\"TRANSFER_FAILURE_REASON_INCOMPLETE\x10\x07\x12%\n!TRANSFER_FAILURE_REASON_CANCELLED\x10\x08\x12.\n*TRANSFER_FAILURE_REASON_RESOURCE_EXHAUSTED\x10\t\x12+\n\'TRANSFER_FAILURE_REASON_UNAUTHENTICATED\x10\n\x12*\n&TRANSFER_FAILURE_REASON_PROTOCOL_ERROR\x10\x0b\x12$\n TRANSFER_FAILURE_REASON_INTERNAL\x10\x0c*P\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_PLANE_GRPC\x10\x01\x12\x12\n\x0e\x44\x41TA_PLANE_SHM\x10\x02*u\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_CRC32\x10\x01\x12\x1e\n\x1a\x43HECKSUM_ALGORITHM_XXH3_64\x10\x02\x32\xa6\x02\n\nKvTransfer\x12J\n\x07Prepare\x12\x1e.duet_wire.v1.KvPrepareRequest\x1a\x1f.duet_wire.v1.KvPrepareResponse\x12=\n\x04Push\x12\x15.duet_wire.v1.KvChunk\x1a\x1c.duet_wire.v1.KvPushResponse(\x01\x12G\n\x06\x43ommit\x12\x1d.duet_wire.v1.KvCommitRequest\x1a\x1e.duet_wire.v1.KvCommitResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.duet_wire.v1.KvAbortRequest\x1a\x1d.duet_wire.v1.KvAbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVCOMMITREQUEST'].fields_by_name['output_token_ids']._loaded_options = None
   _globals['_KVCOMMITREQUEST'].fields_by_name['output_token_ids']._serialized_options = b'\020\001'
-  _globals['_TRANSFERFAILUREREASON']._serialized_start=1866
-  _globals['_TRANSFERFAILUREREASON']._serialized_end=2461
-  _globals['_DATAPLANE']._serialized_start=2463
-  _globals['_DATAPLANE']._serialized_end=2543
-  _globals['_CHECKSUMALGORITHM']._serialized_start=2545
-  _globals['_CHECKSUMALGORITHM']._serialized_end=2662
+  _globals['_TRANSFERFAILUREREASON']._serialized_start=1898
+  _globals['_TRANSFERFAILUREREASON']._serialized_end=2493
+  _globals['_DATAPLANE']._serialized_start=2495
+  _globals['_DATAPLANE']._serialized_end=2575
+  _globals['_CHECKSUMALGORITHM']._serialized_start=2577
+  _globals['_CHECKSUMALGORITHM']._serialized_end=2694
   _globals['_KVLAYOUTSPEC']._serialized_start=49
   _globals['_KVLAYOUTSPEC']._serialized_end=212
   _globals['_KVPREPAREREQUEST']._serialized_start=215
@@ -46,23 +46,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVSHMOFFER']._serialized_start=512
   _globals['_KVSHMOFFER']._serialized_end=578
   _globals['_KVPREPARERESPONSE']._serialized_start=581
-  _globals['_KVPREPARERESPONSE']._serialized_end=844
-  _globals['_KVCHUNKHEADER']._serialized_start=847
-  _globals['_KVCHUNKHEADER']._serialized_end=1238
-  _globals['_KVSHMREF']._serialized_start=1240
-  _globals['_KVSHMREF']._serialized_end=1266
-  _globals['_KVCHUNK']._serialized_start=1268
-  _globals['_KVCHUNK']._serialized_end=1336
-  _globals['_KVPUSHRESPONSE']._serialized_start=1339
-  _globals['_KVPUSHRESPONSE']._serialized_end=1498
-  _globals['_KVCOMMITREQUEST']._serialized_start=1501
-  _globals['_KVCOMMITREQUEST']._serialized_end=1630
-  _globals['_KVCOMMITRESPONSE']._serialized_start=1632
-  _globals['_KVCOMMITRESPONSE']._serialized_end=1699
-  _globals['_KVABORTREQUEST']._serialized_start=1701
-  _globals['_KVABORTREQUEST']._serialized_end=1827
-  _globals['_KVABORTRESPONSE']._serialized_start=1829
-  _globals['_KVABORTRESPONSE']._serialized_end=1863
-  _globals['_KVTRANSFER']._serialized_start=2665
-  _globals['_KVTRANSFER']._serialized_end=2959
+  _globals['_KVPREPARERESPONSE']._serialized_end=876
+  _globals['_KVCHUNKHEADER']._serialized_start=879
+  _globals['_KVCHUNKHEADER']._serialized_end=1270
+  _globals['_KVSHMREF']._serialized_start=1272
+  _globals['_KVSHMREF']._serialized_end=1298
+  _globals['_KVCHUNK']._serialized_start=1300
+  _globals['_KVCHUNK']._serialized_end=1368
+  _globals['_KVPUSHRESPONSE']._serialized_start=1371
+  _globals['_KVPUSHRESPONSE']._serialized_end=1530
+  _globals['_KVCOMMITREQUEST']._serialized_start=1533
+  _globals['_KVCOMMITREQUEST']._serialized_end=1662
+  _globals['_KVCOMMITRESPONSE']._serialized_start=1664
+  _globals['_KVCOMMITRESPONSE']._serialized_end=1731
+  _globals['_KVABORTREQUEST']._serialized_start=1733
+  _globals['_KVABORTREQUEST']._serialized_end=1859
+  _globals['_KVABORTRESPONSE']._serialized_start=1861
+  _globals['_KVABORTRESPONSE']._serialized_end=1895
+  _globals['_KVTRANSFER']._serialized_start=2697
+  _globals['_KVTRANSFER']._serialized_end=2991
 # @@protoc_insertion_point(module_scope)

@@ -105,7 +105,7 @@ class KvShmOffer(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., probe_offset: _Optional[int] = ..., probe: _Optional[bytes] = ...) -> None: ...
 
 class KvPrepareResponse(_message.Message):
-    __slots__ = ("layout", "expected_num_blocks", "max_chunk_bytes", "max_streams", "timeout_s", "checksum_algorithm", "data_plane")
+    __slots__ = ("layout", "expected_num_blocks", "max_chunk_bytes", "max_streams", "timeout_s", "checksum_algorithm", "data_plane", "last_chunk_ends_stream")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class KvPrepareResponse(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHUNK_ENDS_STREAM_FIELD_NUMBER: _ClassVar[int]
     layout: KvLayoutSpec
     expected_num_blocks: int
     max_chunk_bytes: int
@@ -120,7 +121,8 @@ class KvPrepareResponse(_message.Message):
     timeout_s: float
     checksum_algorithm: ChecksumAlgorithm
     data_plane: DataPlane
-    def __init__(self, layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., expected_num_blocks: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ...) -> None: ...
+    last_chunk_ends_stream: bool
+    def __init__(self, layout: _Optional[_Union[KvLayoutSpec, _Mapping]] = ..., expected_num_blocks: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., max_streams: _Optional[int] = ..., timeout_s: _Optional[float] = ..., checksum_algorithm: _Optional[_Union[ChecksumAlgorithm, str]] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., last_chunk_ends_stream: bool = ...) -> None: ...
 
 class KvChunkHeader(_message.Message):
     __slots__ = ("transfer_id", "request_id", "sequence", "layer_start", "layer_end", "block_start", "block_end", "dtype", "shape", "byte_length", "checksum", "checksum_algorithm", "end_of_stream", "shm", "commit")

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
 from worker.kv_layout import KvLayout
+from worker.kv_transfer import codec
 from worker.kv_transfer.buffers import LinearKvBuffer
 from worker.kv_transfer.config import SenderConfig
 from worker.kv_transfer.ids import new_transfer_id
@@ -161,3 +163,84 @@ def test_the_last_lone_stream_carries_the_commit(
     result, data = receiver.received_bytes(transfer_id)
     assert result.state == "COMMITTED" and result.events == ("commit",)  # committed exactly once
     assert data == bytes(source.view)
+
+
+class _Streamed(_WithTokens):
+    """A StreamingTransferSource: its blocks become final in `steps` parts (a context computing in
+    chunks), the output tokens with the last."""
+
+    def __init__(self, layout: KvLayout, num_blocks: int, data: bytearray, steps: int) -> None:
+        super().__init__(layout, num_blocks, data)
+        self._ready = threading.Condition()
+        self._ready_blocks = 0
+        self._parts = [num_blocks * (step + 1) // steps for step in range(steps)]
+
+    def wait_ready(self, have_blocks: int, timeout_s: float) -> int:
+        with self._ready:
+            self._ready.wait_for(lambda: self._ready_blocks > have_blocks, timeout=timeout_s)
+            return self._ready_blocks
+
+    def compute(self, tokens: tuple[int, ...]) -> None:
+        for ready in self._parts:
+            time.sleep(0.01)
+            with self._ready:
+                if ready == self.num_blocks:
+                    self.output_token_ids = tokens
+                self._ready_blocks = ready
+                self._ready.notify_all()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("offered", [True, False])
+def test_the_stream_ends_on_its_last_chunk_when_the_receiver_offers_it(
+    receiver: ReceiverProcess, monkeypatch, offered: bool, streamed: bool
+) -> None:
+    """A receiver that offers last_chunk_ends_stream at Prepare (every current one) gets the stream's
+    end and the commit on the last chunk: no separate marker, no Commit call. One that does not (a
+    peer from before it) gets the marker after the last chunk. Both commit the same bytes once."""
+    layout = KvLayout(4, 2, 64, 16, "bfloat16", "llama-a")
+    size = layout.run_bytes(layout.num_layers, 9)
+    data = bytearray(random.Random(9 + offered + 2 * streamed).randbytes(size))
+    source = _Streamed(layout, 9, data, steps=3) if streamed else _WithTokens(layout, 9, data)
+    tokens = (42,)
+    if not streamed:
+        source.output_token_ids = tokens
+    request_id = f"ends-{offered}-{streamed}"
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, request_id, layout, 9)
+    markers: list[bytes] = []
+    real_marker = codec.encode_end_of_stream
+
+    def marker(*args, **kwargs) -> bytes:
+        markers.append(real_marker(*args, **kwargs))
+        return markers[-1]
+
+    monkeypatch.setattr(codec, "encode_end_of_stream", marker)
+    with KvSender(SenderConfig(num_streams=1, num_connections=1, max_chunk_bytes=64 * KIB)) as sender:
+        connections = sender._connect(receiver.address)
+        real_prepare = connections.prepare
+        offers: list[bool] = []
+
+        def prepare(request, **kwargs):
+            answer = real_prepare(request, **kwargs)
+            offers.append(answer.last_chunk_ends_stream)
+            if not offered:
+                answer.last_chunk_ends_stream = False  # as a receiver from before the field answers
+            return answer
+
+        monkeypatch.setattr(connections, "prepare", prepare)
+        commits = _counting_commits(sender, receiver.address, monkeypatch)
+        computing = threading.Thread(target=source.compute, args=(tokens,)) if streamed else None
+        if computing is not None:
+            computing.start()
+        outcome = sender.push(receiver.address, transfer_id, request_id, source, deadline_s=30.0)
+        if computing is not None:
+            computing.join()
+    assert outcome.ok, outcome.failure
+    assert offers == [True]  # the receiver offers it
+    assert len(markers) == (0 if offered else 1)
+    assert commits == []  # the stream carried the commit either way
+    assert outcome.chunks_sent > 1 and outcome.bytes_sent == size
+    result, received = receiver.received_bytes(transfer_id)
+    assert result.state == "COMMITTED" and result.events == ("commit",)
+    assert received == bytes(data)

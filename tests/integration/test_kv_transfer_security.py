@@ -255,6 +255,55 @@ def test_message_after_the_end_marker_is_invalid_argument(channel, receiver) -> 
     assert _status(raised.value) == (grpc.StatusCode.INVALID_ARGUMENT, "PROTOCOL_ERROR")
 
 
+def _push_response(channel, frames: list[bytes], transfer_id: str, request_id: str) -> pb.KvPushResponse:
+    return _push_raw(channel, frames, transfer_id, request_id, end=False)
+
+
+def test_the_last_chunk_can_end_the_stream_with_the_commit(channel, receiver) -> None:
+    transfer_id, request_id, answer = _open(channel, receiver)
+    assert answer.last_chunk_ends_stream
+    specs = (ChunkSpec(0, 0, 1, 0, NUM_BLOCKS), ChunkSpec(1, 1, 2, 0, NUM_BLOCKS))
+    size = sum(spec.size_bytes(LAYOUT) for spec in specs)
+    commit = pb.KvCommitRequest(transfer_id=transfer_id, request_id=request_id, chunks_sent=2, bytes_sent=size, output_token_ids=[7])
+    frames = [
+        _chunk(transfer_id, request_id, specs[0]),
+        _chunk(transfer_id, request_id, specs[1], mutate=lambda header: codec.mark_end_of_stream(header, commit)),
+    ]
+    response = _push_response(channel, frames, transfer_id, request_id)
+    assert response.committed and response.chunks_accepted == 2 and response.bytes_received == size
+    result = receiver.result(transfer_id)
+    assert result.state == "COMMITTED" and result.events == ("commit",) and result.writes == 2
+
+
+def test_a_last_chunk_that_ends_the_stream_is_checked_like_any_chunk(channel, receiver) -> None:
+    transfer_id, request_id, _ = _open(channel, receiver)
+    commit = pb.KvCommitRequest(transfer_id=transfer_id, request_id=request_id, chunks_sent=1, bytes_sent=1)
+    frame = _chunk(
+        transfer_id, request_id, ChunkSpec(0, 0, 1, 0, NUM_BLOCKS), corrupt=True,
+        mutate=lambda header: codec.mark_end_of_stream(header, commit),
+    )
+    with pytest.raises(grpc.RpcError) as raised:
+        _push_response(channel, [frame], transfer_id, request_id)
+    assert _status(raised.value) == (grpc.StatusCode.DATA_LOSS, "CHECKSUM_MISMATCH")
+    assert receiver.result(transfer_id).events == ("fail:CHECKSUM_MISMATCH",)  # never committed
+
+
+def test_a_marker_that_names_no_chunk_carries_no_data_and_nothing_follows_an_end(channel, receiver) -> None:
+    transfer_id, request_id = _prepare(channel, receiver)
+    marker = codec.mark_end_of_stream(pb.KvChunkHeader(transfer_id=transfer_id, request_id=request_id))
+    with pytest.raises(grpc.RpcError) as raised:
+        _push_response(channel, [codec.encode_chunk(marker, b"stray bytes")], transfer_id, request_id)
+    assert _status(raised.value) == (grpc.StatusCode.INVALID_ARGUMENT, "PROTOCOL_ERROR")
+    transfer_id, request_id = _prepare(channel, receiver)
+    frames = [
+        _chunk(transfer_id, request_id, ChunkSpec(0, 0, 1, 0, NUM_BLOCKS), mutate=codec.mark_end_of_stream),
+        _chunk(transfer_id, request_id, ChunkSpec(1, 1, 2, 0, NUM_BLOCKS)),
+    ]
+    with pytest.raises(grpc.RpcError) as raised:
+        _push_response(channel, frames, transfer_id, request_id)
+    assert _status(raised.value) == (grpc.StatusCode.INVALID_ARGUMENT, "PROTOCOL_ERROR")
+
+
 # -- ids ---------------------------------------------------------------------------------------------
 
 

@@ -208,12 +208,18 @@ def make_header(
 
 
 def encode_end_of_stream(transfer_id: str, request_id: str, commit: pb.KvCommitRequest | None = None) -> bytes:
-    """The message that ends every Push stream (a stream without it was cut off); on the push's last
+    """The marker that ends a Push stream (a stream without an end was cut off); on the push's last
     stream it may carry the commit."""
-    header = pb.KvChunkHeader(transfer_id=transfer_id, request_id=request_id, end_of_stream=True)
+    return encode_chunk(mark_end_of_stream(pb.KvChunkHeader(transfer_id=transfer_id, request_id=request_id), commit), b"")
+
+
+def mark_end_of_stream(header: pb.KvChunkHeader, commit: pb.KvCommitRequest | None = None) -> pb.KvChunkHeader:
+    """Make `header` (a marker's, or the last chunk's when the receiver accepts that) end its
+    stream, with the push's commit when given."""
+    header.end_of_stream = True
     if commit is not None:
         header.commit.CopyFrom(commit)
-    return encode_chunk(header, b"")
+    return header
 
 
 def chunk_shape(layout: KvLayout, num_layers: int, num_blocks: int) -> list[int]:

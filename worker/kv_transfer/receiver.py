@@ -363,6 +363,7 @@ class KvTransferServer:
             max_streams=self._config.max_streams_per_transfer,
             timeout_s=max(timeout_s, 0.0),
             checksum_algorithm=record.checksum_algorithm,
+            last_chunk_ends_stream=True,
         )
 
     def _push(self, request_iterator: Any, context: grpc.ServicerContext) -> pb.KvPushResponse:
@@ -395,29 +396,31 @@ class KvTransferServer:
                 if ended:
                     failure = _protocol_error("a message followed the end of the stream")
                     break
-                if header.end_of_stream:
-                    if len(chunk.data):
-                        failure = _protocol_error("the end-of-stream marker carries no data")
+                # A marker alone names no bytes; a last chunk that ends the stream does (we offered
+                # last_chunk_ends_stream at Prepare): it is written first, like any chunk.
+                if not header.end_of_stream or header.byte_length:
+                    result = self._handle_chunk(record, chunk)
+                    if isinstance(result, _Ended):
+                        ended_transfer = result
                         break
+                    if isinstance(result, TransferFailure):
+                        failure = result
+                        break
+                    if result is Admission.WRITE:
+                        accepted += 1
+                        accepted_bytes += header.byte_length
+                    elif result is Admission.DUPLICATE:
+                        duplicates += 1
+                elif len(chunk.data):
+                    failure = _protocol_error("the end-of-stream marker carries no data")
+                    break
+                if header.end_of_stream:
                     ended = True
                     if header.HasField("commit"):
                         # The push's last message: commit now rather than after the sender's
                         # half-close (a message after it goes unread, and the commit stands).
                         commit = header.commit
                         break
-                    continue
-                result = self._handle_chunk(record, chunk)
-                if isinstance(result, _Ended):
-                    ended_transfer = result
-                    break
-                if isinstance(result, TransferFailure):
-                    failure = result
-                    break
-                if result is Admission.WRITE:
-                    accepted += 1
-                    accepted_bytes += header.byte_length
-                elif result is Admission.DUPLICATE:
-                    duplicates += 1
         except grpc.RpcError:
             # The sender went away (or its deadline passed) mid-stream; nobody reads our answer.
             self._registry.fail(record, self._cut_off(record, context))

@@ -284,6 +284,7 @@ class _PushRun:
         self.bytes_sent = 0
         self.num_streams = 0
         self.checksum_algorithm = 0  # negotiated at Prepare
+        self._last_chunk_ends_stream = False  # the receiver said so at Prepare (no separate marker)
         self._next_sequence = 0  # the sequence number of the next chunk planned
         self.data_plane = "grpc"
         # The shared-memory segment of this push, while offered or in use. It goes back to the pool
@@ -416,6 +417,7 @@ class _PushRun:
         if problem is not None:
             return self._fail(connections, TransferFailure(FailureReason.INCOMPATIBLE, problem))
         self.checksum_algorithm = answer.checksum_algorithm
+        self._last_chunk_ends_stream = answer.last_chunk_ends_stream
         chunk_bytes = min(config.max_chunk_bytes, answer.max_chunk_bytes or config.max_chunk_bytes)
         max_streams = min(config.num_streams, max(answer.max_streams, 1))
         if answer.data_plane == pb.DATA_PLANE_SHM and offer is not None:
@@ -671,32 +673,39 @@ class _PushRun:
                 self._set_local_failure(problem)
                 self.finished.wait(max(self.remaining_s(), 0.0))
                 return
-            ended = yield from self._frames(chunks, end=False)
-            if ended == _STOPPED:
-                return
+            final = ready >= source.num_blocks  # the output tokens are known too (source.finish)
+            ended = yield from self._frames(chunks, commit=final, end=final)
+            if ended == _STOPPED or final:
+                return  # the final part's frames ended the stream, with the commit
             sent_blocks = ready
             if ended == _TRUNCATED:
                 break  # a clean, early end: the marker follows, and the commit finds the gap
         yield self._end_of_stream(commit=True)
 
     def _end_of_stream(self, *, commit: bool) -> bytes:
+        return codec.encode_end_of_stream(self.transfer_id, self.request_id, self._stream_commit(commit))
+
+    def _stream_commit(self, commit: bool) -> pb.KvCommitRequest | None:
+        """The commit a stream's end carries, if `commit` and it fits a header."""
         request = self._commit_request() if commit else None
         if request is not None and request.ByteSize() > codec.MAX_HEADER_BYTES // 2:
             request = None  # many output tokens (a recovered request): a Commit call carries them
-        return codec.encode_end_of_stream(self.transfer_id, self.request_id, request)
+        return request
 
     def _frames(self, chunks: tuple[ChunkSpec, ...], *, commit: bool = False, end: bool = True) -> Generator[bytes, None, str]:
         """The encoded chunks of one stream, with the sender-side faults applied, and (`end`) its
-        end-of-stream marker, with the commit when `commit` and it fits a header. Returns how it
-        ended: _SENT, _TRUNCATED (a fault ended the stream cleanly) or _STOPPED (the stream must be
-        cut: the push ended or failed). Runs in a gRPC thread: it never raises (a source error
-        becomes the push's local failure and ends the stream)."""
+        end, with the commit when `commit` and it fits a header: on the last chunk itself when the
+        receiver offered that at Prepare and no fault touches that chunk, otherwise as a marker
+        after it. Returns how it ended: _SENT, _TRUNCATED (a fault ended the stream cleanly) or
+        _STOPPED (the stream must be cut: the push ended or failed). Runs in a gRPC thread: it
+        never raises (a source error becomes the push's local failure and ends the stream)."""
         source = self.source
         layout = source.layout
         held: bytes | None = None
         faults = self.faults
         ended = _SENT
-        for spec in chunks:
+        last = len(chunks) - 1
+        for index, spec in enumerate(chunks):
             if self.finished.is_set():
                 return _STOPPED
             chunk_faults = faults.on_chunk(spec.sequence) if faults is not None else NO_CHUNK_FAULTS
@@ -733,6 +742,9 @@ class _PushRun:
                 # receiver records INTERNAL rather than a cut-off stream.
                 self.finished.wait(max(self.remaining_s(), 0.0))
                 return _STOPPED
+            # The stream's end rides on its last chunk (one message fewer on the critical path),
+            # unless a fault touches that chunk: then the marker follows, as with an older receiver.
+            ends_here = end and index == last and held is None and chunk_faults is NO_CHUNK_FAULTS and self._last_chunk_ends_stream
             if self.data_plane == "shm":
                 offset = self._shm_offsets[spec.sequence]
                 data_checksum = self._write_shm(offset, parts, size_bytes, corrupt=chunk_faults.corrupt)
@@ -740,7 +752,6 @@ class _PushRun:
                     return _STOPPED
                 header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
                 header.shm.offset = offset
-                frame = codec.encode_chunk(header, b"")
             else:
                 data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
                 if chunk_faults.corrupt:
@@ -748,10 +759,15 @@ class _PushRun:
                     damaged[len(damaged) // 2] ^= 0xFF
                     parts = (damaged,)
                 header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
-                frame = codec.encode_chunk_parts(header, parts)
             with self._lock:
                 self.chunks_sent += 1
                 self.bytes_sent += size_bytes
+            if ends_here:  # after the count: the commit counts this chunk
+                codec.mark_end_of_stream(header, self._stream_commit(commit))
+            frame = codec.encode_chunk(header, b"") if self.data_plane == "shm" else codec.encode_chunk_parts(header, parts)
+            if ends_here:
+                yield frame
+                return ended
             if chunk_faults.reorder and held is None:
                 held = frame
                 continue
