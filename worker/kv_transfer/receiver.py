@@ -369,7 +369,7 @@ class KvTransferServer:
     def _push(self, request_iterator: Any, context: grpc.ServicerContext) -> pb.KvPushResponse:
         failure: TransferFailure | None = None
         ended_transfer: _Ended | None = None
-        commit: pb.KvCommitRequest | None = None  # carried by the end-of-stream marker of a push's last stream
+        commit: pb.KvCommitRequest | None = None  # carried by the end of a push's last stream
         accepted = duplicates = 0
         accepted_bytes = 0
         # The stream names its transfer up front, so the transfer hears of a stream that breaks
@@ -431,9 +431,9 @@ class KvTransferServer:
         if ended_transfer is not None:
             _abort(context, ended_transfer.failure, grpc.StatusCode.FAILED_PRECONDITION)
         if failure is None and not ended:
-            # gRPC reports a dropped connection as a clean end at times; the marker tells them apart.
+            # gRPC reports a dropped connection as a clean end at times; the end-of-stream mark tells them apart.
             self._registry.fail(record, self._cut_off(record, context))
-            _abort(context, record.failure or _protocol_error("stream ended without its end-of-stream marker"))
+            _abort(context, record.failure or _protocol_error("stream ended without its end-of-stream mark"))
         if failure is not None:
             self._registry.fail(record, failure)
             _abort(context, record.failure or failure)
@@ -466,7 +466,7 @@ class KvTransferServer:
         ):
             return TransferFailure(FailureReason.DEADLINE_EXCEEDED, "deadline passed mid-stream")
         return TransferFailure(
-            FailureReason.PEER_UNAVAILABLE, "sender's stream broke off (no end-of-stream marker, no Abort)"
+            FailureReason.PEER_UNAVAILABLE, "sender's stream broke off (no end-of-stream mark, no Abort)"
         )
 
     def _handle_chunk(

@@ -651,7 +651,7 @@ class _PushRun:
 
     def _streamed_frames(self, chunk_bytes: int) -> Generator[bytes, None, None]:
         """The one stream of a push whose blocks become final while its context computes: each part
-        as soon as the source has it, then the end-of-stream marker with the commit. Runs in a gRPC
+        as soon as the source has it, the last one ending the stream with the commit. Runs in a gRPC
         thread and never raises: a source given up, a deadline or a plan error becomes the push's
         local failure, and the stream is held open until the push has told the receiver (Abort)."""
         source = self.source
