@@ -39,6 +39,8 @@ from cluster.loadgen.workloads import (
 )
 from cluster.sim.cluster import REQUEST_LIMITED_WARN_SHARE, pool_shortfalls, request_limits
 from cluster.sim.plan import (
+    DEFAULT_BISECTIONS,
+    MAX_BISECTIONS,
     MIN_WINDOW_LIVES,
     POLICIES,
     CandidateResult,
@@ -72,6 +74,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="simulated seconds of arrivals per probe (default: 30, or 3 lives of a request under the SLOs when "
                         "longer; quick 5); --num-requests sizes the pool that probes repeat")
     search.add_argument("--seed", type=int, default=0, metavar="S", help="seeds the workload and arrival times")
+    search.add_argument("--bisections", type=int, default=DEFAULT_BISECTIONS, metavar="N",
+                        help="bisection steps after the rate doubling phase; each halves the uncertainty of a "
+                        f"candidate's highest rate for one more simulation per candidate (default {DEFAULT_BISECTIONS}: "
+                        "within 1/16 of the doubled bracket, about 6 %%)")
     search.add_argument("--splits", type=int, nargs="+", default=None, metavar="P",
                         help="search only these splits, by prefill instances (0: all MIXED; P: P prefill and N - P generation); "
                         "default: all MIXED and every P:D")
@@ -180,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.attainment <= 1:
         raise CliError("--attainment: a share in (0, 1]", EXIT_USAGE)
     num_instances = int(args.instances)
+    if not 0 <= args.bisections <= MAX_BISECTIONS:
+        raise CliError(f"--bisections: an integer from 0 to {MAX_BISECTIONS}", EXIT_USAGE)
     if args.jobs is not None and args.jobs < 1:
         raise CliError("--jobs: the number of candidates to search at once, an integer >= 1", EXIT_USAGE)
     jobs = args.jobs if args.jobs is not None else _usable_cpus()
@@ -218,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     results = plan(
         base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
-        duration_s=duration_s, prune=not args.every_maximum, jobs=jobs, prefill_counts=args.splits,
+        duration_s=duration_s, prune=not args.every_maximum, jobs=jobs, prefill_counts=args.splits, bisections=args.bisections,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     elapsed_s = time.perf_counter() - started
@@ -281,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
         "request_life_s": round(life_s, 3),
         "simulations": sum(len(r.probes) for r in results),
         "jobs": jobs,
+        "bisections": args.bisections,
         "splits": "all" if args.splits is None else sorted(set(args.splits)),
         "wall_s": round(elapsed_s, 2),
         "cluster_yaml": str(yaml_path),

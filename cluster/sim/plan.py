@@ -54,6 +54,9 @@ from cluster.sim.vclock import run_virtual
 from worker.protocol import InstanceRole
 
 POLICIES = {"round_robin": RoundRobinParams(), "least_loaded": LeastLoadedParams(), "kv_aware": KvAwareParams()}
+# Bisection steps after the doubling phase: the doubled bracket [R, 2R] narrows to R / 2**steps.
+DEFAULT_BISECTIONS = 4
+MAX_BISECTIONS = 12
 
 
 @dataclass(frozen=True)
@@ -326,7 +329,7 @@ def search(
     duration_s: float = 30.0,
     min_requests: int = 40,
     max_doublings: int = 12,
-    bisections: int = 4,
+    bisections: int = DEFAULT_BISECTIONS,
     beat_rate_per_s: float | None = None,
 ) -> CandidateResult:
     """The candidate's highest rate within the SLOs. With `beat_rate_per_s` (the best rate of the
@@ -383,6 +386,7 @@ def plan(
     prune: bool = True,
     jobs: int = 1,
     prefill_counts: Sequence[int] | None = None,
+    bisections: int = DEFAULT_BISECTIONS,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[CandidateResult]:
     """Every candidate's search; the best is the one with the highest goodput per instance (all
@@ -399,14 +403,18 @@ def plan(
     they are those of the sequential search, and the best and its rate do not depend on `jobs` at
     all (pruning never changes them; how far a candidate below the best was searched may).
 
-    `prefill_counts` searches only those splits (`candidates`): the best is then the best of them."""
+    `prefill_counts` searches only those splits (`candidates`): the best is then the best of them.
+    `bisections`: steps after the doubling phase (each halves how far below its true maximum a
+    candidate's rate may be, for one more probe per candidate)."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if not 0 <= bisections <= MAX_BISECTIONS:
+        raise ValueError(f"bisections must be in [0, {MAX_BISECTIONS}], got {bisections}")
     todo = candidates(num_instances, policies, prefill_counts)
     # One rate to start every search from: an instance's share of a modest rate, so that the
     # doubling phase is short for every candidate.
     start = max(0.25, num_instances / 4)
-    options = {"attainment": attainment, "start_rate_per_s": start, "duration_s": duration_s}
+    options = {"attainment": attainment, "start_rate_per_s": start, "duration_s": duration_s, "bisections": bisections}
     results: list[CandidateResult | None] = [None] * len(todo)
 
     def settled(index: int) -> list[CandidateResult | None]:

@@ -495,6 +495,31 @@ def test_a_plan_of_some_splits_searches_those_alone(tmp_path: Path, capsys: pyte
     assert "--splits: prefill instance counts from 0 (all MIXED) to 2" in capsys.readouterr().err
 
 
+def test_more_bisections_narrow_each_candidates_rate_from_below(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli.main import main
+    from cluster.sim.plan import DEFAULT_BISECTIONS, plan
+
+    base, settings, pool, slo = _search_case()
+    (coarse,) = _sequential_plan()[:1]  # all MIXED, searched first: no rate to beat
+    (fine,) = plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, prefill_counts=[0],
+                   bisections=DEFAULT_BISECTIONS + 2)
+    # The same doubling and the same first bisections, then two more probes inside the last bracket.
+    assert [p.rate_per_s for p in fine.probes[: len(coarse.probes)]] == [p.rate_per_s for p in coarse.probes]
+    assert len(fine.probes) == len(coarse.probes) + 2
+    bracket = min(p.rate_per_s for p in coarse.probes if not p.passed) - coarse.max_rate_per_s  # the last bisection's
+    assert coarse.max_rate_per_s <= fine.max_rate_per_s < coarse.max_rate_per_s + bracket
+    common = ["plan", "--instances", "3", "--splits", "0", "--policies", "round_robin", "--workload", "fixed",
+              "--num-requests", "20", "--input-len", "64", "--output-len", "8", "--duration", "1", "--slo-ttft-ms", "200",
+              "--slo-tpot-ms", "50", "--out", str(tmp_path), "--no-plots", "--jobs", "1"]
+    assert main([*common, "--bisections", "1"]) == 0
+    assert json.loads((tmp_path / "plan.json").read_text())["bisections"] == 1
+    capsys.readouterr()
+    assert main([*common, "--bisections", "13"]) == 2
+    assert "--bisections: an integer from 0 to 12" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="bisections"):
+        plan(base, settings, pool, slo, 3, bisections=-1)
+
+
 def test_a_pruned_plan_finds_the_best_split_and_rate_of_an_exhaustive_one() -> None:
     from cluster.sim.plan import best, plan
 
