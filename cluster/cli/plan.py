@@ -141,7 +141,7 @@ def plot_plan(results: list[CandidateResult], chosen: CandidateResult, path: Pat
     return save_figure(figure, path, dpi=110)
 
 
-def _request_limited(results: list) -> list[str]:
+def _capped_by_request_limits(results: list) -> list[str]:
     """The candidates whose probe at the highest rate they passed ran at least
     REQUEST_LIMITED_WARN_SHARE of some role's steps at the engine's request limit
     (cluster/sim/plan.py Probe.request_limited)."""
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             "rates; raise it in --config for a cluster this size",
             file=sys.stderr,
         )
-    limited = _request_limited(results)
+    limited = _capped_by_request_limits(results)
     if limited:
         print(
             f"duet plan: warning: at the highest rate each passed, {len(limited)} of {len(results)} candidates "

@@ -752,6 +752,7 @@ class _PushRun:
                     return _STOPPED
                 header = codec.make_header(self.transfer_id, self.request_id, spec, layout, data_checksum, self.checksum_algorithm)
                 header.shm.offset = offset
+                parts = ()  # the bytes are in the segment: the message carries the header alone
             else:
                 data_checksum = codec.checksum_parts(parts, self.checksum_algorithm)
                 if chunk_faults.corrupt:
@@ -764,7 +765,7 @@ class _PushRun:
                 self.bytes_sent += size_bytes
             if ends_here:  # after the count: the commit counts this chunk
                 codec.mark_end_of_stream(header, self._stream_commit(commit))
-            frame = codec.encode_chunk(header, b"") if self.data_plane == "shm" else codec.encode_chunk_parts(header, parts)
+            frame = codec.encode_chunk_parts(header, parts)
             if ends_here:
                 yield frame
                 return ended
