@@ -9,6 +9,7 @@ What crosses the router/instance boundary (requests, outputs, events, loads) is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
@@ -29,6 +30,9 @@ from worker.config import (
 from worker.kv_layout import KvLayout
 from worker.protocol import EngineInputError, InstanceRole, RequestType, SubmitRequest
 
+# An instance's KV pool when nothing sizes it and it runs on a CPU (worker/kv_pool.py sizes a GPU's).
+DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
+
 
 @dataclass_compatible
 class EngineConfig(ConfigStruct, frozen=True):
@@ -41,8 +45,13 @@ class EngineConfig(ConfigStruct, frozen=True):
     """Tokens per KV cache block (the same on every instance of a cluster)."""
     num_blocks: PositiveInt | None = None
     """KV pool size in blocks; None: as many blocks as fit in kv_cache_bytes."""
-    kv_cache_bytes: PositiveInt = 256 * 1024 * 1024
-    """KV pool size in bytes, used when num_blocks is None."""
+    kv_cache_bytes: PositiveInt | None = None
+    """KV pool size in bytes, used when num_blocks is None; None: 256 MiB on a CPU, and on a GPU what
+    gpu_memory_utilization of its memory leaves beside the weights and a full step's activations."""
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    """The share of its GPU's memory an instance fills (weights, activations, KV pool) when neither
+    num_blocks nor kv_cache_bytes sizes its pool. Instances sharing a GPU (num_gpus below 1) each
+    take this share of their fraction of it."""
     max_num_requests: PositiveInt = 64
     """Requests holding KV at once (capacity scheduler)."""
     max_batch_size: PositiveInt = 64

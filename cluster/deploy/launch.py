@@ -17,9 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from cluster.deploy.config import ClusterConfig, InstanceGroup
 from cluster.router.instance_client import RayInstanceClient
 from worker.config import load_config
+from worker.engine_types import EngineConfig
 from worker.kv_transfer import shm
 from worker.kv_transfer.config import KvTransferConfig
 from worker.protocol import Encoder, InstanceRole, Ping
@@ -163,6 +166,16 @@ def _demand(planned: PlannedInstance) -> dict[str, float]:
     return {name: amount for name, amount in demand.items() if amount > 0}
 
 
+def instance_engine(config: ClusterConfig, planned: PlannedInstance) -> EngineConfig:
+    """One planned instance's engine settings. An instance given a fraction of a GPU sizes its KV pool
+    to that fraction of engine.gpu_memory_utilization: instances sharing a device start together,
+    and each would otherwise take the whole share for itself."""
+    engine = config.engine_config(planned.group)
+    if 0 < planned.num_gpus < 1:
+        engine = msgspec.structs.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization * planned.num_gpus)
+    return engine
+
+
 def plan_instances(config: ClusterConfig, cluster_resources: dict[str, float]) -> list[PlannedInstance]:
     has_gpus = cluster_resources.get("GPU", 0) > 0
     planned = []
@@ -244,7 +257,7 @@ class Deployment:
         for item in planned:
             spec = InstanceSpec(
                 instance_id=item.instance_id,
-                engine=self.config.engine_config(item.group),
+                engine=instance_engine(self.config, item),
                 model=self.config.model,
                 dtype=self.config.dtype,
                 device=self.config.device,

@@ -17,13 +17,14 @@ chunking and the hand-over are what the simulation itself is for.
 from __future__ import annotations
 
 from cluster.sim.profile import StepProfile, context_pairs
-from worker.engine_types import EngineConfig
+from worker.engine_types import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 
 
 def pool_blocks(engine: EngineConfig, profile: StepProfile) -> int:
-    """An instance's KV pool in blocks: engine.num_blocks, or what engine.kv_cache_bytes holds of
-    the profile's model."""
-    return engine.num_blocks or max(1, engine.kv_cache_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
+    """An instance's KV pool in blocks: engine.num_blocks, or what engine.kv_cache_bytes (unset: a CPU
+    instance's default; cluster.py's with_profile_pool sets a simulated GPU's) holds of the profile's model."""
+    pool_bytes = engine.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    return engine.num_blocks or max(1, pool_bytes // (profile.kv_bytes_per_token * engine.tokens_per_block))
 
 
 def prefill_rps(profile: StepProfile, engine: EngineConfig, mean_prompt_tokens: float) -> float:
