@@ -19,6 +19,7 @@ from scheduler.request import LlmRequest
 from worker.config import (
     ConfigProblem,
     ConfigStruct,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -81,6 +82,11 @@ class EngineConfig(ConfigStruct, frozen=True):
     """Mixed into the seed of requests that come without one."""
     record_prefix_events: bool = True
     """Report prefix-cache stores and removals to the router (for KV-aware placement)."""
+    stream_interval_ms: NonNegativeFloat = 0.0
+    """Hold a request's tokens for up to this long and report them together (worker/stream_merge.py;
+    vLLM's stream_interval): fewer polls for the router to pay for. First and last tokens, a
+    context's first token and errors go out at once, so TTFT and end-to-end latency do not change;
+    0: every step's tokens at once."""
 
     @classmethod
     def config_error(cls, problem: ConfigProblem) -> Exception:

@@ -64,6 +64,7 @@ from worker.protocol import (
     Unavailable,
 )
 from worker.sampling import InvalidSamplingParams
+from worker.stream_merge import StreamMerger
 
 logger = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ class Instance:
         self._pushes: list = []
         self._load = None  # the engine's load as of the loop's last step or command (EngineLoad)
         self._prefix_events: list = []
+        self._merger = StreamMerger(spec.engine.stream_interval_ms / 1e3)  # under the mailbox lock
         self._sequence = 0
         self._stopping = False
         self._draining = False
@@ -346,11 +348,16 @@ class Instance:
         """Everything reported since the last poll; waits up to timeout_s for something to report."""
         deadline = time.monotonic() + max(0.0, min(float(timeout_s), 60.0))
         with self._mailbox:
-            while not self._has_mail() and not self._stopping:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+            while True:
+                now = time.monotonic()
+                if self._merger.num_held:
+                    self._outputs.extend(self._merger.take_due(now))
+                remaining = deadline - now
+                if self._has_mail() or self._stopping or remaining <= 0:
                     break
-                self._mailbox.wait(remaining)
+                due_s = self._merger.next_due_s()
+                # Held tokens wake the poll when due (not before: a short wait would spin).
+                self._mailbox.wait(remaining if due_s is None else min(remaining, max(due_s - now, 0.001)))
             outputs, self._outputs = self._outputs, []
             events, self._events = self._events, []
             reservations, self._reservations = self._reservations, []
@@ -494,7 +501,7 @@ class Instance:
         if not (outputs or events or reservations):
             return
         with self._mailbox:
-            self._outputs.extend(outputs)
+            self._outputs.extend(self._merger.add(outputs, (event.request_id for event in events), time.monotonic()))
             self._events.extend(events)
             self._reservations.extend(reservations)
             self._mailbox.notify_all()

@@ -98,9 +98,10 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
                        help="router/instance call latency (default: the profile's measured one, else 0.5)")
     group.add_argument("--frontend-latency-ms", type=float, default=None, metavar="MS",
                        help="front end latency per message, each way (default: the profile's measured one, else 0)")
-    group.add_argument("--stream-interval-ms", type=float, default=0.0, metavar="MS",
-                       help="instances merge a request's tokens for up to MS before reporting them (0: every step; "
-                       "TTFT, TPOT and e2e stay exact, ITL is seen in chunks; faster for large simulations)")
+    group.add_argument("--stream-interval-ms", type=float, default=None, metavar="MS",
+                       help="instances merge a request's tokens for up to MS before reporting them (default: the "
+                       "configuration's engine.stream_interval_ms, 0 unless set; 0: every step; TTFT, TPOT and e2e "
+                       "stay exact, ITL is seen in chunks; faster for large simulations)")
 
 
 def parse_instances(spec: str) -> dict[InstanceRole, int]:
@@ -159,7 +160,7 @@ def sim_settings(args: argparse.Namespace, sampling: Any, seed: int) -> SimSetti
     return SimSettings(
         profile, link, rpc_latency_s=None if args.rpc_latency_ms is None else args.rpc_latency_ms / 1e3,
         frontend_latency_s=None if args.frontend_latency_ms is None else args.frontend_latency_ms / 1e3,
-        stream_interval_s=args.stream_interval_ms / 1e3,
+        stream_interval_s=None if args.stream_interval_ms is None else args.stream_interval_ms / 1e3,
         deaths=deaths, sampling=sampling, seed=seed,
     )
 

@@ -73,7 +73,8 @@ class SimSettings:
     # the router emits it (cluster/sim/client.py). None: the profile's measured one
     # (StepProfile.frontend_latency_s), else 0 (requests enter Router.submit directly).
     frontend_latency_s: float | None = None
-    stream_interval_s: float = 0.0  # cluster/sim/instance.py: 0 reports every step's tokens at once
+    # cluster/sim/instance.py: 0 reports every step's tokens at once; None: each instance's engine.stream_interval_ms
+    stream_interval_s: float | None = None
     max_seq_len: int = 16384
     deaths: tuple[InstanceDeath, ...] = ()
     sampling: SamplingSpec = SamplingSpec(timeout_s=None)
@@ -226,7 +227,8 @@ def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[
                 SimInstance(
                     instance_id, engine, settings.profile, network,
                     vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_s,
-                    stream_interval_s=settings.stream_interval_s, rng=random.Random(f"{settings.seed}:{instance_id}"),
+                    stream_interval_s=engine.stream_interval_ms / 1e3 if settings.stream_interval_s is None else settings.stream_interval_s,
+                    rng=random.Random(f"{settings.seed}:{instance_id}"),
                 )
             )
     return instances, network

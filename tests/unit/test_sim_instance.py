@@ -199,6 +199,19 @@ def test_a_stream_interval_merges_tokens_but_keeps_ttft_tpot_and_e2e_exact() -> 
     _check_invariants(merged)
 
 
+def test_the_configured_stream_interval_is_simulated_unless_the_settings_name_one() -> None:
+    """engine.stream_interval_ms, which served instances apply (worker/stream_merge.py), is what a
+    simulation of that configuration merges by, unless its settings (--stream-interval-ms) say."""
+    config = _cluster([("PREFILL", 1), ("GENERATION", 1)], stream_interval_ms=50)
+    requests = _requests(20, output_len=40)
+    configured = simulate(config, SETTINGS, requests, PoissonArrivals(40.0))
+    named = simulate(_cluster([("PREFILL", 1), ("GENERATION", 1)]), SimSettings(PROFILE, stream_interval_s=0.05), requests, PoissonArrivals(40.0))
+    overridden = simulate(config, SimSettings(PROFILE, stream_interval_s=0.0), requests, PoissonArrivals(40.0))
+    every_step = simulate(_cluster([("PREFILL", 1), ("GENERATION", 1)]), SETTINGS, requests, PoissonArrivals(40.0))
+    chunks = [[len(r.chunk_times_s) for r in outcome.point.outcome.records] for outcome in (configured, named, overridden, every_step)]
+    assert chunks[0] == chunks[1] and chunks[2] == chunks[3] and sum(chunks[0]) < sum(chunks[3])
+
+
 def test_the_router_figures_of_a_run_with_several_recovery_actions_are_json() -> None:
     import json
 
