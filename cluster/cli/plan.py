@@ -204,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
     requests = build_workload(workload, args.seed, dataset)
     settings = sim_settings(args, SamplingSpec(timeout_s=None), args.seed)
     base = profile_pool(cluster_config(argparse.Namespace(**{**vars(args), "instances": None})), settings.profile, "duet plan")
+    if args.stream_interval_ms is not None:  # what was simulated is what best-cluster.yaml serves
+        base = msgspec.structs.replace(base, engine={**base.engine, "stream_interval_ms": args.stream_interval_ms})
     # Every role a candidate may use: a request refused at submission would count against every
     # split alike and hide what the search compares.
     roles = (InstanceRole.PREFILL, InstanceRole.GENERATION, InstanceRole.MIXED)

@@ -589,3 +589,16 @@ def test_a_parallel_plan_finds_the_sequential_best_and_repeats_itself() -> None:
     assert parallel[2].below_rate_per_s == parallel[0].max_rate_per_s and len(parallel[2].probes) == 1
     with pytest.raises(ValueError, match="jobs"):
         plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, jobs=0)
+
+
+def test_duet_plan_writes_the_stream_interval_it_simulated_into_the_yaml(tmp_path: Path) -> None:
+    from cluster.cli.main import main
+    from cluster.deploy.config import ClusterConfig
+
+    common = ["plan", "--instances", "2", "--policies", "round_robin", "--splits", "0", "--duration", "1", "--jobs", "1",
+              "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50", "--profile", "roofline:h100-sxm:llama-3-8b", "--workload", "fixed",
+              "--num-requests", "20", "--input-len", "64", "--output-len", "16", "--no-plots"]
+    assert main([*common, "--stream-interval-ms", "25", "--out", str(tmp_path / "merged")]) == 0
+    assert ClusterConfig.from_yaml(tmp_path / "merged" / "best-cluster.yaml").engine["stream_interval_ms"] == 25
+    assert main([*common, "--out", str(tmp_path / "plain")]) == 0
+    assert "stream_interval_ms" not in ClusterConfig.from_yaml(tmp_path / "plain" / "best-cluster.yaml").engine
