@@ -203,7 +203,7 @@ class Engine:
         self.num_forward_tokens = 0
         self.num_streamed_pushes = 0  # pushes started on the finished chunks of a context still computing
 
-    # --- submission -----------------------------------------------------------------------------
+    # --- the KV pool's size -------------------------------------------------------------------------
     def _pool_bytes(self, model: DecoderLM) -> int:
         """engine.kv_cache_bytes, or when unset: the CPU default, or on a GPU what its share of the
         device leaves once the weights and a forward of the largest step are in (worker/kv_pool.py)."""
@@ -235,6 +235,7 @@ class Engine:
         scratch = PagedKvCache(self.layout, first_block, model.device)
         ModelRunner(model, scratch, decode_mirror_max_bytes=0).forward(chunks)
 
+    # --- submission -----------------------------------------------------------------------------
     def add_request(self, submit: SubmitRequest) -> None:
         """Validate and queue a request. Raises EngineInputError (naming the field) on bad input."""
         cfg = self.config

@@ -79,3 +79,37 @@ def test_cuda_attention_runs_without_cudnn_sdpa(monkeypatch) -> None:
         engine.step()
     assert cudnn_enabled_at_call, "the engine made no SDPA call"
     assert not any(cudnn_enabled_at_call)
+
+
+def test_an_unsized_kv_pool_takes_its_share_of_the_gpu_and_serves() -> None:
+    """worker/kv_pool.py on a real device: with neither num_blocks nor kv_cache_bytes, the pool, the
+    weights and a full step's activations fit gpu_memory_utilization of the GPU, the pool is most of
+    what that share leaves, and the engine then serves a batch of the largest steps."""
+    from worker.default_model import build_default_model
+    from worker.engine import Engine
+    from worker.engine_types import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+    from worker.protocol import SubmitRequest
+    from worker.sampling import SamplingParams
+
+    share = 0.3  # of the device: other tests and processes may hold some of it
+    model, tokenizer, generation = build_default_model(dtype="float32", device="cuda")
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated()
+    total = torch.cuda.mem_get_info()[1]
+    engine = Engine(model, tokenizer, EngineConfig(gpu_memory_utilization=share), generation_config=generation)
+    pool = engine.kv_cache.tensor.numel() * engine.kv_cache.tensor.element_size()
+    print(f"pool {pool / 2**30:.2f} GiB of {total / 2**30:.1f} GiB ({engine.blocks.num_blocks} blocks), weights {weights / 2**20:.0f} MiB")
+    assert pool > DEFAULT_CPU_KV_CACHE_BYTES
+    assert weights + pool <= share * total
+    assert pool >= share * total - weights - 2 * 2**30  # the activations of a 2048-token step of this model: well under 2 GiB
+    torch.cuda.reset_peak_memory_stats()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for index in range(16):
+        engine.add_request(SubmitRequest(f"r{index}", tuple(range(1, 200)), params))
+    while engine.has_work():
+        engine.step()
+    # The sampler's buffers are not in the measured forward: a little slack for them.
+    assert torch.cuda.max_memory_reserved() <= share * total + 256 * 2**20
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    del engine
+    torch.cuda.empty_cache()
