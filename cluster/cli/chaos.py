@@ -85,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"what carries the KV bytes between instances (kv_transfer.data_plane; {defaults.data_plane}): "
         "shared memory on one host, or gRPC streams",
     )
+    parser.add_argument(
+        "--stream-interval-ms", type=float, default=defaults.stream_interval_ms, metavar="MS",
+        help="the faulty cluster's instances report a request's tokens in groups of up to MS (engine.stream_interval_ms; "
+        f"{defaults.stream_interval_ms:g}: every step)",
+    )
     parser.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
     parser.add_argument("--dtype", default=defaults.dtype, choices=("auto", "float32", "bfloat16", "float16"), help="model and KV dtype")
     parser.add_argument("--device", default=defaults.device, metavar="DEV", help="auto, cpu or cuda")
@@ -116,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
             device=args.device,
             lost_after_s=args.lost_after,
             data_plane=args.data_plane,
+            stream_interval_ms=args.stream_interval_ms,
         )
     except SoakConfigError as error:
         raise CliError(f"--{error.field.replace('_', '-').removesuffix('-s')}: {error.message}", EXIT_USAGE) from None

@@ -88,6 +88,7 @@ class SoakConfig:
     restart_timeout_s: float = 180.0  # bound on waiting for a killed instance to serve again
     kill_role: str | None = None  # "prefill" | "generation": kill only instances of that role
     data_plane: str = "auto"  # kv_transfer.data_plane of the faulty cluster: auto, grpc or shm
+    stream_interval_ms: float = 0.0  # engine.stream_interval_ms of the faulty cluster (the replay reports every step)
 
     def __post_init__(self) -> None:
         _int_at_least("requests", self.requests, 1)
@@ -108,6 +109,10 @@ class SoakConfig:
                 raise SoakConfigError(name, f"must be a positive number, got {value!r}")
         if self.kill_role not in (None, "prefill", "generation"):
             raise SoakConfigError("kill_role", f"must be prefill or generation, got {self.kill_role!r}")
+        if isinstance(self.stream_interval_ms, bool) or not isinstance(self.stream_interval_ms, int | float) or not (
+            math.isfinite(self.stream_interval_ms) and self.stream_interval_ms >= 0
+        ):
+            raise SoakConfigError("stream_interval_ms", f"must be a number >= 0, got {self.stream_interval_ms!r}")
         if self.data_plane not in DATA_PLANES:
             raise SoakConfigError("data_plane", f"must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -322,7 +327,7 @@ def faulty_cluster_config(config: SoakConfig) -> ClusterConfig:
                 {"role": "PREFILL", "count": config.prefill, "num_cpus": config.num_cpus_per_instance},
                 {"role": "GENERATION", "count": config.generation, "num_cpus": config.num_cpus_per_instance},
             ],
-            "engine": _engine_settings(),
+            "engine": {**_engine_settings(), **({"stream_interval_ms": config.stream_interval_ms} if config.stream_interval_ms else {})},
             "router": router,
             # A free metrics port: a `duet serve` on this machine may hold the default one.
             "frontend": {"port": 0, "metrics_port": 0, "http_port": 0},

@@ -285,6 +285,7 @@ class SoakReport:
             "fault_rate": self.config.fault_rate,
             "kill_every": self.config.kill_every,
             "data_plane": self.config.data_plane,
+            "stream_interval_ms": self.config.stream_interval_ms,
             "instances": f"{self.config.prefill} PREFILL + {self.config.generation} GENERATION",
         }
 
@@ -329,7 +330,8 @@ class SoakReport:
         lines = [
             f"chaos soak: {self.config.prefill} PREFILL + {self.config.generation} GENERATION, seed {self.config.seed}, "
             f"fault rate {self.config.fault_rate:g}, kill every {self.config.kill_every or '-'}, "
-            f"data plane {self.config.data_plane}",
+            f"data plane {self.config.data_plane}"
+            + (f", tokens grouped for {self.config.stream_interval_ms:g} ms" if self.config.stream_interval_ms else ""),
             "",
         ]
         lines += [f"{name.ljust(width)}  {value}" for name, value in rows]

@@ -10,6 +10,7 @@ Also, without a cluster: the soak's building blocks (workload, plan, kills, repo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -183,10 +184,17 @@ def test_the_soak_deploys_a_faulty_pd_cluster_and_a_clean_colocated_one() -> Non
     assert clean.router.placement.disaggregation is DisaggMode.NEVER
     assert clean.engine == faulty.engine  # same blocks, same chunking
 
+    # Tokens grouped on the faulty side only: the replay reports every step, and nothing else differs.
+    grouped = faulty_cluster_config(dataclasses.replace(config, stream_interval_ms=20.0))
+    assert grouped.engine == {**faulty.engine, "stream_interval_ms": 20.0}
+    assert all(grouped.engine_config(g).stream_interval_ms == 20.0 for g in grouped.instances)
+    assert "stream_interval_ms" not in replay_cluster_config(dataclasses.replace(config, stream_interval_ms=20.0)).engine
+
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("requests", 0), ("fault_rate", 1.5), ("fault_rate", float("nan")), ("kill_every", -1), ("concurrency", 0), ("lost_after_s", 0.0)],
+    [("requests", 0), ("fault_rate", 1.5), ("fault_rate", float("nan")), ("kill_every", -1), ("concurrency", 0), ("lost_after_s", 0.0),
+     ("stream_interval_ms", -1.0), ("stream_interval_ms", float("inf"))],
 )
 def test_bad_settings_name_their_field(field, value) -> None:
     with pytest.raises(SoakConfigError) as error:
@@ -201,6 +209,9 @@ def test_the_command_line_refuses_bad_values_with_exit_status_2(capsys) -> None:
     add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["chaos", "--requests", "7", "--kill-every", "0", "--address", "ray://head:10001"])
     assert (args.requests, args.kill_every, args.address, args.fault_rate) == (7, 0, "ray://head:10001", 0.05)
+    assert args.stream_interval_ms == 0.0
+    assert main(["--stream-interval-ms", "-5"]) == 2
+    assert "--stream-interval" in capsys.readouterr().err
     assert callable(args.handler)
 
 
