@@ -217,7 +217,15 @@ class Engine:
             raise EngineInputError(
                 "max_num_tokens", f"a step of {self.config.max_num_tokens} tokens does not fit the GPU beside the weights"
             ) from None
-        return gpu_pool_bytes(memory, self.config.gpu_memory_utilization)
+        pool = gpu_pool_bytes(memory, self.config.gpu_memory_utilization)
+        gib = 1 << 30
+        logger.info(
+            "%s: KV pool %.2f GiB, sized from the GPU: %g of its %.1f GiB less the weights (%.2f GiB) and a %d-token step's "
+            "activations (%.2f GiB); %.1f GiB was free", self.instance_id, pool / gib, self.config.gpu_memory_utilization,
+            memory.total_bytes / gib, memory.weights_bytes / gib, self.config.max_num_tokens,
+            (memory.peak_bytes - memory.weights_bytes) / gib, memory.free_bytes / gib,
+        )
+        return pool
 
     def _largest_step(self, model: DecoderLM) -> None:
         """A forward of the most tokens and sequences one step may hold (each wanting logits), on a

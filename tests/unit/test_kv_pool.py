@@ -94,3 +94,31 @@ def test_gpu_memory_utilization_is_validated() -> None:
         with pytest.raises(EngineInputError) as error:
             EngineConfig().with_overrides(gpu_memory_utilization=bad)
         assert error.value.field == "gpu_memory_utilization"
+
+
+def test_a_gpu_engine_sizes_its_pool_from_what_it_measured_and_says_so(default_model, monkeypatch, caplog) -> None:
+    """Engine._pool_bytes on a (pretended) CUDA model: the measurement's pool, logged with its
+    inputs; a largest step that does not fit the GPU is an error naming max_num_tokens."""
+    import logging
+    from types import SimpleNamespace
+
+    import worker.engine as engine_module
+
+    model, tokenizer, generation = default_model
+    engine = Engine(model, tokenizer, EngineConfig(gpu_memory_utilization=0.5), generation_config=generation, instance_id="g7")
+    cuda_model = SimpleNamespace(device=torch.device("cuda"))
+    memory = GpuMemory(total_bytes=40 * GIB, free_bytes=30 * GIB, weights_bytes=8 * GIB, peak_bytes=9 * GIB)
+    calls = []
+    monkeypatch.setattr(engine_module, "measure_gpu_memory", lambda step, device: calls.append(device) or memory)
+    with caplog.at_level(logging.INFO, logger="worker.engine"):
+        assert engine._pool_bytes(cuda_model) == 20 * GIB - 9 * GIB
+    assert calls == [torch.device("cuda")]
+    assert "g7: KV pool 11.00 GiB, sized from the GPU: 0.5 of its 40.0 GiB" in caplog.text
+
+    def out_of_memory(step, device):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(engine_module, "measure_gpu_memory", out_of_memory)
+    with pytest.raises(EngineInputError) as error:
+        engine._pool_bytes(cuda_model)
+    assert error.value.field == "max_num_tokens" and "does not fit the GPU" in error.value.message
