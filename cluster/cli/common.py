@@ -281,8 +281,14 @@ def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
                 frontend[name] = getattr(args, name)
         if getattr(args, "metrics_port", None) is not None:
             frontend["metrics_port"] = args.metrics_port
-        if getattr(args, "max_model_len", None) is not None:
-            overrides["engine"] = {**config.engine, "max_seq_len": args.max_model_len}
+        engine = {
+            key: getattr(args, flag)
+            for flag, key in (("max_model_len", "max_seq_len"), ("gpu_memory_utilization", "gpu_memory_utilization"),
+                              ("stream_interval_ms", "stream_interval_ms"))
+            if getattr(args, flag, None) is not None
+        }
+        if engine:
+            overrides["engine"] = {**config.engine, **engine}
         if getattr(args, "drain_timeout", None) is not None:
             overrides["drain_timeout_s"] = args.drain_timeout
         if frontend:

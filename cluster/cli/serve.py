@@ -50,6 +50,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the engine's maximum sequence length, prompt + output (default: engine.max_seq_len, else the model's context)",
     )
     parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, metavar="F",
+        help="the share of its GPU an instance fills when nothing sizes its KV pool (default: engine.gpu_memory_utilization, 0.9)",
+    )
+    parser.add_argument(
+        "--stream-interval-ms", type=float, default=None, metavar="MS",
+        help="instances report a request's tokens in groups of up to MS; first and last tokens at once "
+        "(default: engine.stream_interval_ms, 0: every step)",
+    )
+    parser.add_argument(
         "--drain-timeout", type=float, default=None, metavar="SECONDS",
         help="seconds in-flight requests get to finish on SIGTERM (default: drain_timeout_s, 30)",
     )

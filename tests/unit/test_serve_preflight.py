@@ -210,6 +210,16 @@ def test_serve_flags_land_in_the_configuration() -> None:
     assert config.frontend.metrics_port == 9999 and config.frontend.tokens == ("t" * 16,)
     assert config.engine["max_seq_len"] == 1024 and config.drain_timeout_s == 45.0
     assert all(config.engine_config(group).max_seq_len == 1024 for group in config.instances)
+    args = build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.6", "--stream-interval-ms", "15"])
+    engines = [load_cluster_config(args).engine_config(group) for group in config.instances]
+    assert all((e.gpu_memory_utilization, e.stream_interval_ms, e.max_seq_len) == (0.6, 15.0, None) for e in engines)
+
+
+@pytest.mark.parametrize(("flag", "value", "key"), [("--gpu-memory-utilization", "1.5", "gpu_memory_utilization"),
+                                                  ("--stream-interval-ms", "-1", "stream_interval_ms")])
+def test_a_bad_engine_flag_is_a_configuration_error_naming_its_key(capsys, no_ray, flag, value, key) -> None:
+    code, line = _serve(capsys, no_ray, flag, value)
+    assert code == 11 and line.startswith("duet serve: bad configuration:") and key in line
 
 
 def test_a_bad_max_model_len_is_a_configuration_error(capsys, no_ray) -> None:
