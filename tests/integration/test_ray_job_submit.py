@@ -8,6 +8,7 @@ process group (never a global `ray stop`)."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -33,6 +34,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _head_port(taken: set[int]) -> int:
+    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range (from
+    32768), where the head's own processes pick theirs: a port from bind(0) could be taken by one of
+    them before the dashboard binds it (seen once in CI: the dashboard's port already in use)."""
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(20000, 32000)
+        if port in taken:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        taken.add(port)
+        return port
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -55,7 +74,8 @@ def _ray(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess.C
 @pytest.fixture
 def head():
     temp_dir = tempfile.mkdtemp(prefix="duetray", dir="/tmp")
-    gcs_port, dashboard_port, agent_port = _free_port(), _free_port(), _free_port()
+    taken: set[int] = set()
+    gcs_port, dashboard_port, agent_port = _head_port(taken), _head_port(taken), _head_port(taken)
     process = subprocess.Popen(
         [
             str(BIN / "ray"), "start", "--head", "--block",
