@@ -1,7 +1,7 @@
 """What reporting tokens in groups (engine.stream_interval_ms) saves the router, and what it costs a
-client: two MIXED instances deployed as `duet serve` deploys them (a Ray actor each, on an embedded
-2-CPU Ray), one reporting every step and one with the interval, each behind its own router in this
-process. Requests go to them in turn, one at a time, so the CPU this process spends during a
+client: two MIXED instances (`--disaggregated`: two PREFILL + GENERATION pairs) deployed as `duet
+serve` deploys them (a Ray actor each, on an embedded 2-CPU Ray), one side reporting every step and
+one with the interval, each behind its own router in this process. Requests go to them in turn, one at a time, so the CPU this process spends during a
 request is its router's and its client's (the idle router's long poll is a call per heartbeat).
 
 Figures, per side (`every_step_*`, `interval_*`) and as ratios (interval / every step):
@@ -11,6 +11,7 @@ Figures, per side (`every_step_*`, `interval_*`) and as ratios (interval / every
                            the instances no longer share the CPUs with as many Ray calls)
 
     python bench/stream_interval.py [--interval-ms 20] [--requests 12] [--max-tokens 200]
+    python bench/stream_interval.py --disaggregated --prompt-tokens 200 --max-tokens 300
     python bench/stream_interval.py --quick      # a short run (the suite's smoke test)
 """
 
@@ -66,11 +67,14 @@ async def _run(args) -> dict[str, list[dict[str, float]]]:
     from cluster.deploy.launch import Deployment
 
     engine = {"num_blocks": 512, "tokens_per_block": TOKENS_PER_BLOCK}
+    roles = ("PREFILL", "GENERATION") if args.disaggregated else ("MIXED",)
+    group = {"count": 1, "num_cpus": 0, "torch_threads": 1}
     config = ClusterConfig.from_dict({
         "dtype": "float32", "device": "cpu", "ray": {"num_cpus": 2},
+        # Each side's own instances (a group per role and side; ids in this order: role-0 every step, role-1 grouped).
         "instances": [
-            {"role": "MIXED", "count": 1, "num_cpus": 0, "torch_threads": 1, "engine": {"stream_interval_ms": 0}},
-            {"role": "MIXED", "count": 1, "num_cpus": 0, "torch_threads": 1, "engine": {"stream_interval_ms": args.interval_ms}},
+            {"role": role, **group, "engine": {"stream_interval_ms": interval}}
+            for interval in (0, args.interval_ms) for role in roles
         ],
         "engine": engine,
     })
@@ -79,14 +83,16 @@ async def _run(args) -> dict[str, list[dict[str, float]]]:
     try:
         clients = {client.instance_id: client for client in deployment.start()}
         health = {"heartbeat_interval_s": 0.5, "dead_after_s": 10.0}
-        for side, instance_id in zip(SIDES, ("mixed-0", "mixed-1"), strict=True):
+        placement = {"disaggregation": "always" if args.disaggregated else "never"}
+        for index, side in enumerate(SIDES):
             router = Router(
-                RouterConfig.from_dict({"health": health, "placement": {"disaggregation": "never"}}), ByteTokenizer(),
+                RouterConfig.from_dict({"health": health, "placement": placement}), ByteTokenizer(),
                 vocab_size=ByteTokenizer.VOCAB_SIZE, max_seq_len=4096, tokens_per_block=TOKENS_PER_BLOCK,
             )
             await router.start()
             routers[side] = router
-            await router.add_instance(clients[instance_id])
+            for role in roles:
+                await router.add_instance(clients[f"{role.lower()}-{index}"])
         results: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
         for repeat in range(args.requests + 1):  # the first round warms up
             prompt = tuple((repeat * 31 + i * 7) % 250 + 1 for i in range(args.prompt_tokens))
@@ -109,12 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--disaggregated", action="store_true", help="a PREFILL + GENERATION pair per side instead of a MIXED instance")
     parser.add_argument("--quick", action="store_true", help="3 requests of 40 tokens")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.max_tokens = 3, 40
     results = asyncio.run(_run(args))
-    figures: dict[str, float] = {"interval_ms": args.interval_ms, "requests": args.requests, "max_tokens": args.max_tokens}
+    figures: dict[str, float | str] = {
+        "interval_ms": args.interval_ms, "requests": args.requests, "max_tokens": args.max_tokens,
+        "instances": "PREFILL + GENERATION" if args.disaggregated else "MIXED",
+    }
     rows = []
     for key, name in (("cpu_us_per_token", "driver_cpu_us_per_token"), ("events", "events_per_request"),
                       ("ttft_ms", "ttft_ms"), ("tpot_ms", "tpot_ms"), ("e2e_ms", "e2e_ms")):
