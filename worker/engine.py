@@ -59,7 +59,7 @@ from worker.handover import (
 )
 from worker.kv_cache import PagedKvCache
 from worker.kv_layout import KvLayout
-from worker.kv_pool import DEFAULT_CPU_KV_CACHE_BYTES, gpu_pool_bytes, measure_gpu_memory
+from worker.kv_pool import unsized_pool_bytes
 from worker.kv_transfer.failures import FailureReason, TransferFailure
 from worker.model import DecoderLM
 from worker.model_config import GenerationConfig
@@ -161,7 +161,12 @@ class Engine:
         )
         if model.device.type == "cuda":
             disable_cudnn_attention()
-        num_blocks = cfg.num_blocks or max(1, self._pool_bytes(model) // self.layout.run_bytes(model_config.num_layers, 1))
+        num_blocks = cfg.num_blocks
+        if num_blocks is None:
+            pool_bytes = cfg.kv_cache_bytes
+            if pool_bytes is None:  # the CPU default, or sized from the GPU (worker/kv_pool.py)
+                pool_bytes = unsized_pool_bytes(model, self.layout, cfg, self.max_seq_len, instance_id)
+            num_blocks = max(1, pool_bytes // self.layout.run_bytes(model_config.num_layers, 1))
         self.kv_cache = PagedKvCache(self.layout, num_blocks, model.device)
         self.runner = runner_factory(model, self.kv_cache)
         self.blocks = BlockManager(cfg.block_manager_config(num_blocks, self.max_seq_len))
@@ -202,46 +207,6 @@ class Engine:
         self.num_pauses = 0
         self.num_forward_tokens = 0
         self.num_streamed_pushes = 0  # pushes started on the finished chunks of a context still computing
-
-    # --- the KV pool's size -------------------------------------------------------------------------
-    def _pool_bytes(self, model: DecoderLM) -> int:
-        """engine.kv_cache_bytes, or when unset: the CPU default, or on a GPU what its share of the
-        device leaves once the weights and a forward of the largest step are in (worker/kv_pool.py)."""
-        if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes
-        if model.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        try:
-            memory = measure_gpu_memory(lambda: self._largest_step(model), model.device)
-        except torch.cuda.OutOfMemoryError:
-            raise EngineInputError(
-                "max_num_tokens", f"a step of {self.config.max_num_tokens} tokens does not fit the GPU beside the weights"
-            ) from None
-        pool = gpu_pool_bytes(memory, self.config.gpu_memory_utilization)
-        gib = 1 << 30
-        logger.info(
-            "%s: KV pool %.2f GiB, sized from the GPU: %g of its %.1f GiB less the weights (%.2f GiB) and a %d-token step's "
-            "activations (%.2f GiB); %.1f GiB was free", self.instance_id, pool / gib, self.config.gpu_memory_utilization,
-            memory.total_bytes / gib, memory.weights_bytes / gib, self.config.max_num_tokens,
-            (memory.peak_bytes - memory.weights_bytes) / gib, memory.free_bytes / gib,
-        )
-        return pool
-
-    def _largest_step(self, model: DecoderLM) -> None:
-        """A forward of the most tokens and sequences one step may hold (each wanting logits), on a
-        scratch KV cache freed afterwards: its activation peak is what the pool must leave room for."""
-        cfg, tpb = self.config, self.config.tokens_per_block
-        tokens = min(cfg.max_num_tokens, self.max_seq_len * cfg.max_batch_size)
-        sequences = min(cfg.max_batch_size, tokens)
-        lengths = [tokens // sequences + (1 if index < tokens % sequences else 0) for index in range(sequences)]
-        chunks, first_block = [], 0
-        for length in lengths:
-            blocks = -(-length // tpb)
-            chunks.append(SequenceChunk(token_ids=[0] * length, num_cached_tokens=0,
-                                        block_ids=list(range(first_block, first_block + blocks)), want_logits=True))
-            first_block += blocks
-        scratch = PagedKvCache(self.layout, first_block, model.device)
-        ModelRunner(model, scratch, decode_mirror_max_bytes=0).forward(chunks)
 
     # --- submission -----------------------------------------------------------------------------
     def add_request(self, submit: SubmitRequest) -> None:

@@ -12,7 +12,7 @@ from cluster.deploy.launch import PlannedInstance, instance_engine
 from worker.default_model import build_default_model
 from worker.engine import Engine
 from worker.engine_types import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from worker.kv_pool import GpuMemory, gpu_pool_bytes
+from worker.kv_pool import GpuMemory, gpu_pool_bytes, run_largest_step, unsized_pool_bytes
 from worker.model_runner import ModelRunner
 from worker.protocol import EngineInputError
 
@@ -65,7 +65,8 @@ def test_the_activation_peak_is_measured_on_the_largest_step(default_model, monk
     """The forward whose peak a GPU pool leaves room for holds max_num_tokens tokens over
     max_batch_size sequences, each wanting logits, on a scratch cache of just their blocks."""
     model, tokenizer, generation = default_model
-    engine = Engine(model, tokenizer, EngineConfig(max_num_tokens=1000, max_batch_size=6), generation_config=generation)
+    config = EngineConfig(max_num_tokens=1000, max_batch_size=6)
+    engine = Engine(model, tokenizer, config, generation_config=generation)
     seen = []
     forward = ModelRunner.forward
 
@@ -75,7 +76,7 @@ def test_the_activation_peak_is_measured_on_the_largest_step(default_model, monk
         return forward(self, chunks)
 
     monkeypatch.setattr(ModelRunner, "forward", spy)
-    engine._largest_step(model)
+    run_largest_step(model, engine.layout, config, engine.max_seq_len)
     [(num_blocks, lengths, logits, tables)] = seen
     assert lengths == [167, 167, 167, 167, 166, 166] and all(logits)
     assert sorted(b for table in tables for b in table) == list(range(num_blocks)) and num_blocks == 6 * 11
@@ -97,28 +98,34 @@ def test_gpu_memory_utilization_is_validated() -> None:
 
 
 def test_a_gpu_engine_sizes_its_pool_from_what_it_measured_and_says_so(default_model, monkeypatch, caplog) -> None:
-    """Engine._pool_bytes on a (pretended) CUDA model: the measurement's pool, logged with its
-    inputs; a largest step that does not fit the GPU is an error naming max_num_tokens."""
+    """unsized_pool_bytes (what the engine asks when nothing sizes its pool) on a (pretended) CUDA
+    model: the measurement's pool, logged with its inputs; a largest step that does not fit the GPU
+    is an error naming max_num_tokens."""
     import logging
     from types import SimpleNamespace
 
-    import worker.engine as engine_module
+    import worker.kv_pool as kv_pool_module
 
     model, tokenizer, generation = default_model
-    engine = Engine(model, tokenizer, EngineConfig(gpu_memory_utilization=0.5), generation_config=generation, instance_id="g7")
+    config = EngineConfig(gpu_memory_utilization=0.5)
+    engine = Engine(model, tokenizer, config, generation_config=generation)
     cuda_model = SimpleNamespace(device=torch.device("cuda"))
+
+    def pool_bytes() -> int:
+        return unsized_pool_bytes(cuda_model, engine.layout, config, engine.max_seq_len, "g7")
+
     memory = GpuMemory(total_bytes=40 * GIB, free_bytes=30 * GIB, weights_bytes=8 * GIB, peak_bytes=9 * GIB)
     calls = []
-    monkeypatch.setattr(engine_module, "measure_gpu_memory", lambda step, device: calls.append(device) or memory)
-    with caplog.at_level(logging.INFO, logger="worker.engine"):
-        assert engine._pool_bytes(cuda_model) == 20 * GIB - 9 * GIB
+    monkeypatch.setattr(kv_pool_module, "measure_gpu_memory", lambda step, device: calls.append(device) or memory)
+    with caplog.at_level(logging.INFO, logger="worker.kv_pool"):
+        assert pool_bytes() == 20 * GIB - 9 * GIB
     assert calls == [torch.device("cuda")]
     assert "g7: KV pool 11.00 GiB, sized from the GPU: 0.5 of its 40.0 GiB" in caplog.text
 
     def out_of_memory(step, device):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(engine_module, "measure_gpu_memory", out_of_memory)
+    monkeypatch.setattr(kv_pool_module, "measure_gpu_memory", out_of_memory)
     with pytest.raises(EngineInputError) as error:
-        engine._pool_bytes(cuda_model)
+        pool_bytes()
     assert error.value.field == "max_num_tokens" and "does not fit the GPU" in error.value.message
