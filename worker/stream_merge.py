@@ -56,11 +56,12 @@ class StreamMerger:
         self._held: dict[str, _Held] = {}
         self._started: set[str] = set()  # requests whose first output went out
 
-    def add(self, outputs: Iterable[RequestOutput], event_request_ids: Iterable[str], now_s: float) -> list[RequestOutput]:
+    def add(self, outputs: list[RequestOutput], event_request_ids: Iterable[str], now_s: float) -> list[RequestOutput]:
         """What goes out now of a step's outputs (in order), holding the rest; the held tokens of a
-        request with a state event among `event_request_ids` go out too."""
+        request with a state event among `event_request_ids` go out too. Without an interval: the
+        outputs themselves (the per-step path pays one test)."""
         if not self.interval_s:
-            return list(outputs)
+            return outputs
         ready: list[RequestOutput] = []
         for request_id in event_request_ids:
             self._release(request_id, ready)

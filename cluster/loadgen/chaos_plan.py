@@ -104,15 +104,10 @@ class SoakConfig:
         if isinstance(self.fault_rate, bool) or not isinstance(self.fault_rate, int | float) or not 0.0 <= self.fault_rate <= 1.0:
             raise SoakConfigError("fault_rate", f"must be a number in [0, 1], got {self.fault_rate!r}")
         for name in ("num_cpus_per_instance", "lost_after_s", "settle_timeout_s", "restart_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise SoakConfigError(name, f"must be a positive number, got {value!r}")
+            _finite_number(name, getattr(self, name), zero_allowed=False)
+        _finite_number("stream_interval_ms", self.stream_interval_ms, zero_allowed=True)
         if self.kill_role not in (None, "prefill", "generation"):
             raise SoakConfigError("kill_role", f"must be prefill or generation, got {self.kill_role!r}")
-        if isinstance(self.stream_interval_ms, bool) or not isinstance(self.stream_interval_ms, int | float) or not (
-            math.isfinite(self.stream_interval_ms) and self.stream_interval_ms >= 0
-        ):
-            raise SoakConfigError("stream_interval_ms", f"must be a number >= 0, got {self.stream_interval_ms!r}")
         if self.data_plane not in DATA_PLANES:
             raise SoakConfigError("data_plane", f"must be one of {', '.join(DATA_PLANES)}, got {self.data_plane!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -121,6 +116,14 @@ class SoakConfig:
     @property
     def num_kills(self) -> int:
         return 0 if self.kill_every == 0 else (self.requests - 1) // self.kill_every
+
+
+def _finite_number(name: str, value: object, *, zero_allowed: bool) -> None:
+    if (
+        isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+        or value < 0 or (value == 0 and not zero_allowed)
+    ):
+        raise SoakConfigError(name, f"must be a {'non-negative' if zero_allowed else 'positive'} number, got {value!r}")
 
 
 def _int_at_least(name: str, value: object, minimum: int) -> None:
