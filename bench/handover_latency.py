@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ from cluster.router.api import ClientRequest, TokenEvent  # noqa: E402
 from cluster.router.config import RouterConfig  # noqa: E402
 from cluster.router.driver import Router  # noqa: E402
 from cluster.router.instance_client import LocalInstanceClient  # noqa: E402
+from scheduler.state import LlmRequestState  # noqa: E402
 from worker.engine_types import EngineConfig  # noqa: E402
 from worker.instance import BUILTIN_PREFIX, Instance, InstanceSpec  # noqa: E402
 from worker.kv_transfer.config import SenderConfig  # noqa: E402
@@ -89,6 +91,70 @@ class Case:
 class Sample:
     ttft_s: float
     gap_s: float
+    # Where the first-to-second-token path went (seconds, from the instances' reports; see Trail).
+    phases: dict[str, float]
+
+
+# The phases of the path from a context's first token to the client's second token, in order.
+# Disaggregated: the prefill's context done -> the generation instance's commit ("hand-over": the
+# push of what was left and the commit) -> its first decode step starts ("commit to step") -> the
+# router holds that step's token ("decode + report": the forward, the publication, the poll's
+# return) -> the client has it ("router to client"). MIXED has no hand-over and no commit: its
+# decode step follows the context's. "first token report" (context done -> the client's first
+# token) is the part of the first token's path that the gap does not include but that varies.
+PHASES = ("hand-over", "commit to step", "decode + report", "router to client", "first token report")
+
+
+class Trail:
+    """What the instances reported about one request, as a router received it: each state event's
+    instance time and each token output's arrival at the router (all on time.monotonic, one clock for
+    every process on this host). One request at a time: the bench samples them in turn."""
+
+    def __init__(self) -> None:
+        self.events: dict[tuple[str, LlmRequestState], float] = {}
+        self.tokens_at_s: list[float] = []  # the router's receipt, per token
+
+    def phases(self, role: str, first_client_s: float, second_client_s: float) -> dict[str, float]:
+        """The path's phases (seconds), or {} when a report the bench needs is missing."""
+        if role == "disaggregated":
+            done = self.events.get(("p0", LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS))
+            committed = self.events.get(("g0", LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE))
+            started = self.events.get(("g0", LlmRequestState.GENERATION_IN_PROGRESS))
+        else:
+            done = committed = started = self.events.get(("m0", LlmRequestState.GENERATION_IN_PROGRESS))
+        if done is None or committed is None or started is None or len(self.tokens_at_s) < 2:
+            return {}
+        received = self.tokens_at_s[1]
+        return {
+            "hand-over": committed - done,
+            "commit to step": started - committed,
+            "decode + report": received - started,
+            "router to client": second_client_s - received,
+            "first token report": first_client_s - done,
+        }
+
+
+class _Reporting:
+    """An instance client whose polls also fill the current Trail (everything else passes through)."""
+
+    def __init__(self, client: object, name: str, trails: list[Trail]) -> None:
+        self._client = client
+        self._name = name
+        self._trails = trails  # the last one is the request being sampled
+
+    def __getattr__(self, attribute: str) -> object:
+        return getattr(self._client, attribute)
+
+    async def poll(self, timeout_s: float):
+        batch = await self._client.poll(timeout_s)
+        now = time.monotonic()
+        if self._trails:
+            trail = self._trails[-1]
+            for event in batch.events:
+                trail.events.setdefault((self._name, event.state), event.time_s)
+            for output in batch.outputs:
+                trail.tokens_at_s.extend(now for _ in output.new_token_ids)
+        return batch
 
 
 def _engine(role: InstanceRole, case: Case) -> EngineConfig:
@@ -109,15 +175,19 @@ def _instance(name: str, role: InstanceRole, case: Case, args) -> Instance:
     return Instance(spec)
 
 
-async def _sample(router: Router, prompt: list[int]) -> Sample:
-    """TTFT and the first-to-second-token gap seen by a client of the router."""
-    started = time.perf_counter()
+async def _sample(name: str, router: Router, prompt: list[int], trails: list[Trail]) -> Sample:
+    """TTFT and the first-to-second-token gap seen by a client of the router, and the gap's phases
+    as the instances reported them."""
+    trail = Trail()
+    trails.append(trail)
+    started = time.monotonic()  # the instances' clock (time.perf_counter is the same on Linux)
     handle = await router.submit(ClientRequest(None, tuple(prompt), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
     stamps: list[float] = []
     async for event in handle.events():
         if isinstance(event, TokenEvent):
-            stamps.extend(time.perf_counter() for _ in event.token_ids)
-    return Sample(stamps[0] - started, stamps[1] - stamps[0])
+            stamps.extend(time.monotonic() for _ in event.token_ids)
+    trails.clear()
+    return Sample(stamps[0] - started, stamps[1] - stamps[0], trail.phases(name, stamps[0], stamps[1]))
 
 
 async def _run_case(case: Case, args, rng: random.Random) -> tuple[dict[str, list[Sample]], int]:
@@ -139,6 +209,8 @@ async def _run_case(case: Case, args, rng: random.Random) -> tuple[dict[str, lis
                 "m0": _instance("m0", InstanceRole.MIXED, case, args),
             }
             clients = {name: LocalInstanceClient(instance) for name, instance in instances.items()}
+        trails: list[Trail] = []
+        clients = {name: _Reporting(client, name, trails) for name, client in clients.items()}
         layout = (await clients["p0"].get_info()).layout
         kv_bytes = layout.run_bytes(layout.num_layers, -(-case.prompt_tokens // TOKENS_PER_BLOCK))
         for name, config in configs.items():
@@ -154,7 +226,7 @@ async def _run_case(case: Case, args, rng: random.Random) -> tuple[dict[str, lis
             prompt = [rng.randrange(256) for _ in range(case.prompt_tokens)]  # fresh: no prefix reuse
             order = list(routers.items()) if repeat % 2 == 0 else list(reversed(routers.items()))
             for name, router in order:
-                sample = await _sample(router, prompt)
+                sample = await _sample(name, router, prompt, trails)
                 if repeat:
                     samples[name].append(sample)
             progress(f"handover_latency: {case.name} repeat {repeat}/{args.repeats}")
@@ -225,6 +297,18 @@ def _memcpy_s(kv_bytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _phase_medians_ms(samples: list[Sample]) -> dict[str, float]:
+    """Each phase's median over the samples that have it (ms)."""
+    traced = [s.phases for s in samples if s.phases]
+    if not traced:
+        return {}
+    return {phase: statistics.median(p[phase] for p in traced) * 1000 for phase in PHASES}
+
+
+def _slug(phase: str) -> str:
+    return "phase_" + re.sub(r"[^a-z0-9]+", "_", phase.lower()).strip("_")
+
+
 def _iqr_ms(values: list[float]) -> float:
     if len(values) < 4:
         return 0.0
@@ -269,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     targets: dict[str, Target] = {}
     rows = []
+    phase_rows = []
     for case in cases:
         samples, kv_bytes = asyncio.run(_run_case(case, args, rng))
         bytes_s = _bare_grpc_s(kv_bytes, 10) if case.data_plane == "grpc" else _memcpy_s(kv_bytes, 10)
@@ -290,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{prefix}_data_plane": case.data_plane,
             }
         )
+        for name, runs in samples.items():
+            medians = _phase_medians_ms(runs)
+            for phase, value in medians.items():
+                figures[f"{prefix}_{name}_{_slug(phase)}_ms"] = round(value, 2)
+            phase_rows.append([case.name, name, len([s for s in runs if s.phases])] + [medians.get(phase, "-") for phase in PHASES])
         if case.prompt_tokens == 2048 and case.max_num_tokens == 512 and case.reserve == "at_context_start":
             targets[f"{prefix}_added_delay_ms"] = Target(added_ms, round(TARGET_FIXED_MS + TARGET_BYTES_FACTOR * bytes_s * 1000, 2), False)
             targets[f"{prefix}_ttft_ratio"] = Target(disagg_ttft_ms / mixed_ttft_ms, TARGET_TTFT_RATIO, False)
@@ -305,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         ["model", "prompt", "max tok", "plane", "reserve", "KV MiB", "added ms", "bytes ms", "gap IQR ms", "disagg TTFT ms", "mixed TTFT ms"],
         rows,
     )
+    print("Where the first-to-second-token path goes (medians over the samples whose reports were all seen, ms;")
+    print("the gap is hand-over + commit to step + decode + report + router to client - first token report, per sample):")
+    print_table(["case", "cluster", "samples"] + list(PHASES), phase_rows)
     emit_result("handover_latency", figures, targets)
     return 0
 
