@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from scheduler.state import LlmRequestState
 from worker.engine_types import EngineConfig
 from worker.kv_transfer.config import ReceiverConfig, SenderConfig, TransferConfigError, TransportSecurity
 from worker.kv_transfer.failures import FailureReason, TransferFailure
@@ -71,6 +72,14 @@ logger = logging.getLogger(__name__)
 SUBMIT_TIMEOUT_S = 30.0
 # InstanceSpec.model "builtin:bench": the engine benchmark's built-in model (worker/default_model.py).
 BUILTIN_PREFIX = "builtin:"
+
+# What a step's planning can record that nobody waits for before the step's own tokens: a
+# hand-over that landed (its commit, applied as the step began, and the decode step taking it up).
+# Published before the forward pass, they answered the router's poll in the middle of the decode
+# step that the request's second token waits for, and the answer and the router's next poll ran
+# beside that step; they now go out with its token. (Prefill started and reservations still go out
+# before the pass: an early reservation and its relay wait for them.)
+_AFTER_THE_STEP = frozenset({LlmRequestState.DISAGG_GENERATION_TRANS_COMPLETE, LlmRequestState.GENERATION_IN_PROGRESS})
 
 
 class InstanceError(RuntimeError):
@@ -272,6 +281,7 @@ class Instance:
         self._mailbox = threading.Condition()
         self._outputs: list = []
         self._events: list = []
+        self._deferred_events: list = []  # planned events held for the step's outputs (_AFTER_THE_STEP)
         self._reservations: list = []
         self._pushes: list = []
         self._load = None  # the engine's load as of the loop's last step or command (EngineLoad)
@@ -490,14 +500,19 @@ class Instance:
         """Loop thread, before a forward pass: what the step's planning recorded (prefill started,
         reservations) goes out now rather than after the pass. (The load snapshot is the previous
         step's until this one ends: refreshing it here too would walk every request twice a step.)"""
-        self._publish([])
+        self._publish([], planned=True)
 
-    def _publish(self, outputs: list) -> None:
+    def _publish(self, outputs: list, *, planned: bool = False) -> None:
         events = self.engine.drain_events()
+        if self._deferred_events:
+            events, self._deferred_events = self._deferred_events + events, []
         reservations = [
             ReservationNotice(r.request_id, r.transfer_id, r.num_blocks, r.expires_at_s, r.lease_s)
             for r in self.engine.drain_new_reservations()
         ]
+        if planned and events and not reservations and all(event.state in _AFTER_THE_STEP for event in events):
+            self._deferred_events = events  # published after the pass, with its outputs
+            return
         if not (outputs or events or reservations):
             return
         with self._mailbox:

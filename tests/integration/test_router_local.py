@@ -404,3 +404,42 @@ def test_the_prefill_instance_killed_while_streaming_chunks_frees_the_reservatio
         assert all(f == t for f, t in free.values()), free
 
     run(scenario())
+
+
+def test_a_landed_hand_over_is_reported_with_the_token_of_its_first_decode_step() -> None:
+    """The commit and the decode step that takes it up (DISAGG_GENERATION_TRANS_COMPLETE,
+    GENERATION_IN_PROGRESS) reach the router in the same poll answer as that step's token, not in
+    one of their own in the middle of the step the second token waits for
+    (worker/instance.py _AFTER_THE_STEP)."""
+    from scheduler.state import LlmRequestState as L
+
+    async def scenario():
+        roles = {"p0": InstanceRole.PREFILL, "g0": InstanceRole.GENERATION}
+        cluster = Cluster(roles, config=router_config(handover={"reserve": "at_context_start"}))
+        batches = []
+        client = cluster.clients["g0"]
+        polled = client.poll
+
+        async def recording(timeout_s):
+            batch = await polled(timeout_s)
+            batches.append(batch)
+            return batch
+
+        client.poll = recording  # before the router starts: every poll of g0 is seen
+        async with cluster:
+            for prompt in PROMPTS[:6]:  # one at a time: each hand-over alone on the instance
+                tokens, final = await cluster.run(prompt, GREEDY)
+                assert final.outcome is Outcome.COMPLETE, final.error_message
+            landed = [
+                (batch, event.request_id)
+                for batch in batches
+                for event in batch.events
+                if event.state is L.DISAGG_GENERATION_TRANS_COMPLETE
+            ]
+            assert len(landed) == 6
+            for batch, request_id in landed:
+                mine = [event.state for event in batch.events if event.request_id == request_id]
+                assert mine[:2] == [L.DISAGG_GENERATION_TRANS_COMPLETE, L.GENERATION_IN_PROGRESS], mine
+                assert any(o.request_id == request_id and o.new_token_ids for o in batch.outputs), batch
+
+    run(scenario())
