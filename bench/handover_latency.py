@@ -15,6 +15,9 @@ case, with medians and interquartile ranges over the repeats:
                            the transport's streams and chunk size but no framing or checks (grpc);
                            one hot single-thread memcpy (shm); measured in the same run
   disagg_ttft_ms / mixed_ttft_ms
+  <cluster>_phase_*_ms     where the gap goes, per cluster (disaggregated, mixed), from the
+                           instances' report times (PHASES below): hand_over, commit_to_step,
+                           decode_report, router_to_client, first_token_report
 
 Targets (issue 15, this 2-core machine, 2048-token prompt, both models, 512-token chunks): added
 delay <= 3 ms + 1.2 x bytes_time; disaggregated TTFT <= 1.05 x MIXED TTFT.
