@@ -498,7 +498,8 @@ class Instance:
 
     def _publish_planned(self) -> None:
         """Loop thread, before a forward pass: what the step's planning recorded (prefill started,
-        reservations) goes out now rather than after the pass. (The load snapshot is the previous
+        reservations) goes out now rather than after the pass, unless it is only a landed hand-over's
+        events (_AFTER_THE_STEP), which wait for the pass's outputs. (The load snapshot is the previous
         step's until this one ends: refreshing it here too would walk every request twice a step.)"""
         self._publish([], planned=True)
 
