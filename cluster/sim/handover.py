@@ -197,7 +197,7 @@ class HandoverSide:
             request.num_outputs += 1
         else:
             llm.add_new_token(request.submit.output_token_ids[-1])  # the first token, from the prefill instance
-        self._event(request_id, llm.state, "KV received")
+        self._hold_event(request_id, llm.state, "KV received")  # out with the step taking it up
         if self.config.enable_prefix_reuse:
             self.blocks.store_context_blocks(llm)
         self._after_change()

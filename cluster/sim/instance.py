@@ -191,6 +191,11 @@ class SimInstance(HandoverSide):
         self._urgent = False  # _outputs holds something that is not held (stream_interval_s)
         self._flush_at: float | None = None
         self._events: list[StateEvent] = []
+        # A landed hand-over's events by request (its commit, then the decode step taking it up),
+        # held as worker/instance.py holds them (`_AFTER_THE_STEP`): they go out with that step's
+        # token, or before its pass when the step's planning publishes other mail; never alone in
+        # the middle of the step. Any other event of the request takes them out first (order kept).
+        self._held_events: dict[str, list[StateEvent]] = {}
         self._reservations: list[ReservationNotice] = []
         self._pushes: list[PushResult] = []
         self._sequence = 0
@@ -440,7 +445,20 @@ class SimInstance(HandoverSide):
         )
 
     def _event(self, request_id: str, state: LlmRequestState, detail: str = "") -> None:
+        if self._held_events and request_id in self._held_events:
+            self._events.extend(self._held_events.pop(request_id))
         self._events.append(StateEvent(request_id, state, self._now(), detail))
+
+    def _hold_event(self, request_id: str, state: LlmRequestState, detail: str = "") -> None:
+        """An event of a landed hand-over (`_held_events`)."""
+        self._held_events.setdefault(request_id, []).append(StateEvent(request_id, state, self._now(), detail))
+
+    def _release_held(self, request_ids: list[str]) -> None:
+        held = self._held_events
+        for request_id in request_ids:
+            events = held.pop(request_id, None)
+            if events:
+                self._events.extend(events)
 
     def _set_state(self, request: SimRequest, state: LlmRequestState, detail: str = "") -> None:
         request.llm.set_state(state)
@@ -498,6 +516,7 @@ class SimInstance(HandoverSide):
         if generation != self._generation or self.dead:
             return
         now = self._now()
+        mail_before = len(self._events) + len(self._reservations)
         schedule = self.scheduler.schedule(self._active)
         self._evict(schedule.paused)
         self._reserve(schedule.disagg_generation_init, now)
@@ -521,10 +540,15 @@ class SimInstance(HandoverSide):
             context_tokens += chunk
             pairs += context_pairs(llm.context_current_position, chunk)
         trans_complete = S.DISAGG_GENERATION_TRANS_COMPLETE
+        landed: list[str] = []
         for llm in schedule.generation:
             if llm.state is trans_complete:
-                self._set_state(self._requests[llm.request_id], S.GENERATION_IN_PROGRESS)
+                llm.set_state(S.GENERATION_IN_PROGRESS)
+                self._hold_event(llm.request_id, S.GENERATION_IN_PROGRESS)
+                landed.append(llm.request_id)
             decode_context += len(llm.tokens[0])
+        if landed and len(self._events) + len(self._reservations) > mail_before:
+            self._release_held(landed)  # the planning publishes before the pass: they go with it
         self.blocks.add_token_to_each(schedule.generation)
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
         if self.profile.step_time_ratios:
@@ -605,6 +629,8 @@ class SimInstance(HandoverSide):
             self._output(request, (token,))
         if done:
             self._active = [llm for llm in self._active if llm.request_id not in done]
+        if self._held_events:
+            self._release_held([llm.request_id for llm in schedule.generation])
         self._wake()
         self._stepping = False
         self._kick()

@@ -187,6 +187,36 @@ def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovere
     assert outcome.wall_s < 30
 
 
+
+@pytest.mark.parametrize("stream_interval_s", [0.0, 0.05])
+def test_a_landed_hand_over_is_reported_with_the_token_of_its_first_decode_step(monkeypatch, stream_interval_s) -> None:
+    """As the real instance does (worker/instance.py _AFTER_THE_STEP; its test is in
+    tests/integration/test_router_local.py): the commit and the decode step taking it up reach the
+    router in the poll answer that carries that step's token, not in one of their own mid-step."""
+    from scheduler.state import LlmRequestState as L
+
+    batches = []
+    polled = SimInstance.poll
+
+    async def recording(self, timeout_s):
+        batch = await polled(self, timeout_s)
+        if self.role.name == "GENERATION":
+            batches.append(batch)
+        return batch
+
+    monkeypatch.setattr(SimInstance, "poll", recording)
+    settings = SimSettings(PROFILE, DATA_PLANES["grpc-25gbe"], stream_interval_s=stream_interval_s)
+    outcome = simulate(_cluster([("PREFILL", 1), ("GENERATION", 1)]), settings, _requests(12, output_len=20), PoissonArrivals(30.0))
+    assert outcome.point.metrics.completed == 12
+    _check_invariants(outcome)
+    landed = [(b, e.request_id) for b in batches for e in b.events if e.state is L.DISAGG_GENERATION_TRANS_COMPLETE]
+    assert len(landed) == 12
+    for batch, request_id in landed:
+        mine = [event.state for event in batch.events if event.request_id == request_id]
+        assert mine[:2] == [L.DISAGG_GENERATION_TRANS_COMPLETE, L.GENERATION_IN_PROGRESS], mine
+        assert any(o.request_id == request_id and o.new_token_ids for o in batch.outputs), batch
+
+
 def test_a_stream_interval_merges_tokens_but_keeps_ttft_tpot_and_e2e_exact() -> None:
     config = _cluster([("PREFILL", 1), ("GENERATION", 1)])
     requests = _requests(20, output_len=40)
