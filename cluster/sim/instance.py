@@ -549,6 +549,7 @@ class SimInstance(HandoverSide):
             decode_context += len(llm.tokens[0])
         if landed and len(self._events) + len(self._reservations) > mail_before:
             self._release_held(landed)  # the planning publishes before the pass: they go with it
+            landed = []
         self.blocks.add_token_to_each(schedule.generation)
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
         if self.profile.step_time_ratios:
@@ -565,14 +566,16 @@ class SimInstance(HandoverSide):
         stats.steps += 1
         stats.context_tokens += context_tokens
         self._wake()  # events of this step's start (prefill started) go out now
-        self._at(now + step_s, self._complete, schedule)
+        self._at(now + step_s, self._complete, schedule, landed)
 
     def _end_step(self) -> None:
         if self._mid_step:
             self._mid_step = False
             self.net.mid_step -= 1
 
-    def _complete(self, schedule: ScheduleOutput) -> None:
+    def _complete(self, schedule: ScheduleOutput, landed: list[str]) -> None:
+        """The step's end: its tokens, and the events held for the hand-overs it took up (`landed`:
+        the requests whose held events did not go out before the pass)."""
         self._end_step()
         reuse = self.config.enable_prefix_reuse
         requests = self._requests
@@ -629,8 +632,8 @@ class SimInstance(HandoverSide):
             self._output(request, (token,))
         if done:
             self._active = [llm for llm in self._active if llm.request_id not in done]
-        if self._held_events:
-            self._release_held([llm.request_id for llm in schedule.generation])
+        if landed:
+            self._release_held(landed)
         self._wake()
         self._stepping = False
         self._kick()

@@ -187,7 +187,6 @@ def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovere
     assert outcome.wall_s < 30
 
 
-
 @pytest.mark.parametrize("stream_interval_s", [0.0, 0.05])
 def test_a_landed_hand_over_is_reported_with_the_token_of_its_first_decode_step(monkeypatch, stream_interval_s) -> None:
     """As the real instance does (worker/instance.py _AFTER_THE_STEP; its test is in
@@ -307,8 +306,8 @@ def test_a_simulated_instance_reports_the_load_the_engine_does_after_every_step(
         loads = []
         complete = instance._complete
 
-        def recorded(schedule):
-            complete(schedule)
+        def recorded(schedule, *step):
+            complete(schedule, *step)
             loads.append(_load_figures(instance.load()))
 
         instance._complete = recorded
