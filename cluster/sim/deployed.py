@@ -23,14 +23,19 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    how much the instances slow each other (`contention`: the steps' time over the model's, against
    the number of the other instances whose logged steps cover the step's start; the model is
    refitted to the steps with it taken out, until the slope settles), and records their
-   spread around the whole (`step_time_ratios`).
+   spread around the whole (`step_time_ratios`, and `context_step_time_ratios` for the steps that
+   run context, which scatter less relative to their time; the one spread of all steps is kept in
+   the fit as `all_steps_time_ratios`).
 4. The control path, from the router's timelines set against the step logs and the load's own
    records (loaded passes): `rpc_latency_s`, the mean of the median ways of a call, a submit's way
    to an idle instance (admission to the start of its next step) and a poll answer's way back (that
    step's start, where it publishes "prefill started", to the router's CONTEXT_IN_PROGRESS);
    `frontend_latency_s`, the mean of the median ways in (client send to admission) and out (the
-   router's first token to the client's); `handover_fixed_s`, the median TRANSMISSION to
-   GENERATING less the link model's time for the request's KV bytes (0 where nothing is handed over).
+   router's first token to the client's); `handover_fixed_s`, the median time from the end of the
+   prefill step that finished a request's context to the start of the generation step that took it
+   up, less the link model's time for its KV bytes, over the requests whose generation instance was
+   idle in between (0 where nothing is handed over; _handover_seconds says why not the router's
+   TRANSMISSION to GENERATING, which it was until profiles measured on 2026-12-03).
 
 The profile's `fit` records all of it: the configuration, the passes and their fits, the
 percentiles of every control-path measurement, the host's load average before and after.
@@ -155,19 +160,68 @@ def _timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
             continue
 
 
-def _handover_seconds(timeline_path: Path, tokens_per_block: int, kv_bytes_per_token: int, since_s: float) -> list[float]:
-    """Per disaggregated request admitted at or after wall-clock `since_s`: TRANSMISSION to
-    GENERATING in the router's timeline, less the link model's time for its KV bytes."""
+def _handover_seconds(
+    timeline_path: Path, spans: dict[str, list[tuple[float, float]]], tokens_per_block: int, kv_bytes_per_token: int, since_s: float
+) -> list[float]:
+    """Per disaggregated request admitted at or after wall-clock `since_s`, whose generation instance
+    was idle from its context's end until the step that took it up: from the end of the prefill
+    instance's step that finished its context to the start of that step, less the link model's time
+    for its KV bytes. The push, the commit and the generation instance's wake-up, which is what the
+    simulator's hand-over takes before the request joins a step (cluster/sim/handover.py).
+
+    Not the router's TRANSMISSION to GENERATING: an instance reports a landed hand-over's commit with
+    the token of its first decode step (worker/instance.py, since ca4d585), so that span holds the
+    whole step and the poll's way back, which the simulator runs and charges itself; and a request
+    that waited for a busy generation instance's step to end waited for what the simulator also
+    models. `spans`: each instance's logged steps, (start, end) by start (_step_spans)."""
     link = DATA_PLANES[HANDOVER_PLANE]
     out = []
     for record in _timeline_records(timeline_path):
-        times = {entry["state"]: entry["time_s"] for entry in record.get("timeline", ())}
-        if "TRANSMISSION" not in times or "GENERATING" not in times or times.get("QUEUED", 0.0) < since_s:
+        times: dict[str, float] = {}
+        instances: dict[str, str] = {}
+        for entry in record.get("timeline", ()):
+            times.setdefault(entry["state"], entry["time_s"])
+            instances.setdefault(entry["state"], entry.get("instance_id") or "")
+        transmission, generating = times.get("TRANSMISSION"), times.get("GENERATING")
+        if transmission is None or generating is None or times.get("QUEUED", 0.0) < since_s:
             continue
+        prefill, generation = spans.get(instances.get("CONTEXT_IN_PROGRESS", "")), spans.get(instances["GENERATING"])
+        if not prefill or not generation:
+            continue
+        # The prefill step whose end the router heard as TRANSMISSION, and the generation step whose
+        # outputs it heard as GENERATING: the last ones to end before each.
+        context_end = _last_ending_before(prefill, transmission)
+        taken_up = _last_ending_before(generation, generating)
+        if context_end is None or taken_up is None or generation[taken_up][0] < prefill[context_end][1]:
+            continue
+        if taken_up and generation[taken_up - 1][1] > prefill[context_end][1]:
+            continue  # the generation instance stepped in between: the request may have waited for it
         prompt = record.get("usage", {}).get("prompt_tokens", 0)
         num_bytes = math.ceil(prompt / tokens_per_block) * tokens_per_block * kv_bytes_per_token
-        out.append(max(0.0, times["GENERATING"] - times["TRANSMISSION"] - link.transfer_s(num_bytes)))
+        out.append(max(0.0, generation[taken_up][0] - prefill[context_end][1] - link.transfer_s(num_bytes)))
     return out
+
+
+def _last_ending_before(spans: list[tuple[float, float]], time_s: float) -> int | None:
+    """The index of the last of one instance's steps (by start; they do not overlap, so also by end)
+    to end at or before `time_s`."""
+    index = bisect.bisect_right([end for _, end in spans], time_s) - 1
+    return index if index >= 0 else None
+
+
+def _step_spans(steps_dir: Path) -> dict[str, list[tuple[float, float]]]:
+    """Per instance (its step log's name), its logged steps' (start, end) wall-clock spans by start."""
+    steps: dict[str, list[tuple[float, float]]] = {}
+    for path in steps_dir.glob("*.jsonl"):
+        spans = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                spans.append((record["t"] - record["loop_s"], record["t"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        steps[path.stem] = sorted(spans)
+    return steps
 
 
 class _WallClock:
@@ -226,21 +280,11 @@ def _frontend(runs: list[_PointRun], timelines: list[dict[str, Any]]) -> tuple[l
     return ways_in, ways_out
 
 
-def _calls(timelines: list[dict[str, Any]], steps_dir: Path, since_s: float) -> tuple[list[float], list[float]]:
+def _calls(timelines: list[dict[str, Any]], steps: dict[str, list[tuple[float, float]]], since_s: float) -> tuple[list[float], list[float]]:
     """The router's calls as its instances saw them, for requests admitted at or after `since_s`
     while the instance that ran their context was idle: the submit's way there (QUEUED to the start
     of that instance's next step) and a poll's answer's way back (that step's start, where it
-    publishes "prefill started", to CONTEXT_IN_PROGRESS)."""
-    steps: dict[str, list[tuple[float, float]]] = {}
-    for path in steps_dir.glob("*.jsonl"):
-        spans = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-                spans.append((record["t"] - record["loop_s"], record["t"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        steps[path.stem] = sorted(spans)
+    publishes "prefill started", to CONTEXT_IN_PROGRESS). `steps`: _step_spans."""
     ways_there, ways_back = [], []
     for times in timelines:
         queued, started, instance = times.get("QUEUED"), times.get("CONTEXT_IN_PROGRESS"), times.get("context_instance")
@@ -339,6 +383,18 @@ def _coefficients(profile: StepProfile) -> dict[str, float]:
 
 def _modelled(profile: StepProfile, sample: Any) -> float:
     return profile.step_s(sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens)
+
+
+def step_speed(steps_dir: Path, profile: StepProfile) -> float | None:
+    """How a deployment's logged steps (`steps_dir`: its instances' step logs) ran against `profile`:
+    the mean over the steps of their time over the profile's model of them, contention included
+    (the fit meets the mean step, so 1.0 when the model meets these steps on average; above 1 when
+    they ran slower, because the host did or because the model misses their shapes). None when
+    nothing was logged."""
+    steps = _logged_steps(steps_dir)
+    if not steps:
+        return None
+    return statistics.fmean(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) for step in steps)
 
 
 def _table_row(step: _Step) -> list[float]:
@@ -450,10 +506,19 @@ def measure_deployed(
             # The profile: every loaded pass's steps (each pass's own fit is noisy on a shared host).
             steps = _logged_steps(steps_dir, since_s=second_s)
             fitted, quality = _fit_contended(steps, as_profile)
-            ratios = _spread(steps, fitted)
-        handovers = _handover_seconds(timeline_path, engine.tokens_per_block, kv_bytes_per_token, second_s)
+            all_ratios = _spread(steps, fitted)
+            # Context steps scatter less, relative to their time, than decode-only ones: a spread each
+            # (StepProfile.context_step_time_ratios), where both kinds logged enough steps to have one.
+            with_context = [step for step in steps if step.sample.context_tokens]
+            without = [step for step in steps if not step.sample.context_tokens]
+            if len(with_context) >= SPREAD_POINTS and len(without) >= SPREAD_POINTS:
+                ratios, context_ratios = _spread(without, fitted), _spread(with_context, fitted)
+            else:
+                ratios, context_ratios = all_ratios, []
+        spans = _step_spans(steps_dir)
+        handovers = _handover_seconds(timeline_path, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
         timelines = _timelines(timeline_path)
-        calls = _calls(timelines, steps_dir, second_s)
+        calls = _calls(timelines, spans, second_s)
     ways_in, ways_out = _frontend(runs, timelines)
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
     call_there, call_back = (_percentiles(ways) for ways in calls)
@@ -472,6 +537,7 @@ def measure_deployed(
         "kv_bytes_per_token": kv_bytes_per_token,
         "combine": "sum",
         "step_time_ratios": ratios,
+        "context_step_time_ratios": context_ratios,
         "rpc_latency_s": (call_there["p50"] + call_back["p50"]) / 2 if call_there and call_back else None,
         "frontend_latency_s": (way_in["p50"] + way_out["p50"]) / 2 if way_in and way_out else None,
         "notes": (
@@ -482,8 +548,9 @@ def measure_deployed(
             "their prefill instance idle): a submit's way there (admission to the instance's next step) and a poll's "
             "answer's way back (that step's start to the router hearing the prefill started); "
             "frontend_latency_s the mean of the median ways in (client send to admission) and out (the router's "
-            "first token to the client's); handover_fixed_s is the median TRANSMISSION-to-GENERATING "
-            f"time of the router's timelines less the {HANDOVER_PLANE} link time of the request's KV"
+            "first token to the client's); handover_fixed_s is the median time from the end of the prefill "
+            "step that finished a request's context to the start of the generation step that took it up, over "
+            f"requests whose generation instance was idle in between, less the {HANDOVER_PLANE} link time of its KV"
         ),
         "fit": {
             **quality,
@@ -498,6 +565,7 @@ def measure_deployed(
             "frontend_way_in_s": way_in,
             "frontend_way_out_s": way_out,
             "handover_control_s": handover,
+            "all_steps_time_ratios": all_ratios,
             "load_average_before": load_before,
             "load_average_after": _load_average(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -19,8 +19,8 @@ its event loop. Each call costs `rpc_latency_s` of virtual time (a Ray actor cal
 a poll waits for mail as the real long poll does. A killed instance answers every call with
 InstanceUnavailable, as a dead Ray actor does.
 
-A profile with a spread (StepProfile.step_time_ratios) makes each step take its model time times a
-factor drawn from it (the instance's own generator, seeded by the simulation: a rerun is identical).
+A profile with a spread (StepProfile.step_time_ratios, and context_step_time_ratios for the steps
+that run context) makes each step take its model time times a factor drawn from it (the instance's own generator, seeded by the simulation: a rerun is identical).
 A profile with contention (instances sharing one host's cores) also makes it take
 `StepProfile.contended` of the number of the simulation's other instances mid-step as it starts.
 
@@ -553,7 +553,7 @@ class SimInstance(HandoverSide):
         self.blocks.add_token_to_each(schedule.generation)
         step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
         if self.profile.step_time_ratios:
-            step_s *= self.profile.step_factor(self._rng.random())
+            step_s *= self.profile.step_factor(self._rng.random(), context_tokens > 0)
         net = self.net
         if self.profile.contention:
             step_s *= self.profile.contended(net.mid_step)

@@ -23,7 +23,12 @@ A profile measured as deployed (`duet profile --deployed`, cluster/sim/deployed.
 how its steps' times spread around the model, `step_time_ratios` (measured / modelled, at evenly
 spaced quantiles, mean 1: instances that share a small host's cores do not take the same time for
 the same batch twice, and a queue behind variable steps is longer than behind steady ones; the
-simulated instances draw each step's factor from it, seeded), and the control path it measured
+simulated instances draw each step's factor from it, seeded); with `context_step_time_ratios`, the
+steps that run any context draw from those instead and `step_time_ratios` is the spread of the
+steps that do not (a long context step scatters less, relative to its time, than a short decode
+step: as deployed here a 300-token chunk's coefficient of variation is 0.2-0.3 against 0.4-0.65 for
+decode-only steps, and one spread for both made every long prefill as irregular as a decode step,
+which lengthens the queue in front of the prefills), and the control path it measured
 around the steps: `rpc_latency_s`, a router-to-instance call's one-way
 latency (half the median Ray actor call round trip from the router's event loop, under the
 calibration load), and `frontend_latency_s`, the gRPC front end's one-way latency per message (half
@@ -75,6 +80,8 @@ class StepProfile:
     # How a step's time spreads around the model's (the module docstring): the ratio of measured to
     # modelled time at the quantiles (i + 0.5) / n, ascending; () for none.
     step_time_ratios: tuple[float, ...] = ()
+    # The spread of the steps that run context, the same way; () for one spread for every step.
+    context_step_time_ratios: tuple[float, ...] = ()
     rpc_latency_s: float | None = None  # seconds, one way, as deployed (the module docstring); None: not measured
     frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
     # A step's slowdown per other instance mid-step as it starts (the module docstring).
@@ -96,10 +103,13 @@ class StepProfile:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ProfileError(f"{name}: a number >= 0, got {value!r}")
-        ratios = tuple(self.step_time_ratios)
-        if any(not isinstance(r, (int, float)) or not r > 0 for r in ratios) or list(ratios) != sorted(ratios):
-            raise ProfileError(f"step_time_ratios: ascending numbers > 0, got {self.step_time_ratios!r}")
-        object.__setattr__(self, "step_time_ratios", ratios)  # a JSON list becomes the tuple it stands for
+        for name in ("step_time_ratios", "context_step_time_ratios"):
+            ratios = tuple(getattr(self, name))
+            if any(not isinstance(r, (int, float)) or not r > 0 for r in ratios) or list(ratios) != sorted(ratios):
+                raise ProfileError(f"{name}: ascending numbers > 0, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, ratios)  # a JSON list becomes the tuple it stands for
+        if self.context_step_time_ratios and not self.step_time_ratios:
+            raise ProfileError("context_step_time_ratios without step_time_ratios (the spread of the other steps)")
         for name in ("rpc_latency_s", "frontend_latency_s"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
@@ -128,11 +138,12 @@ class StepProfile:
         mid-step as it starts (1.0 for a profile without contention)."""
         return 1.0 + self.contention * busy_instances
 
-    def step_factor(self, u: float) -> float:
+    def step_factor(self, u: float, runs_context: bool = False) -> float:
         """The step-time ratio at quantile `u` in [0, 1) (linear between the listed quantiles, the
-        ends held): a simulated step takes `step_s` times this for a uniform draw `u`; 1.0 if the
-        profile lists no spread."""
-        ratios = self.step_time_ratios
+        ends held): a simulated step takes `step_s` times this for a uniform draw `u`, from
+        `context_step_time_ratios` for a step that runs context if the profile has them, else from
+        `step_time_ratios`; 1.0 if the profile lists no spread."""
+        ratios = (runs_context and self.context_step_time_ratios) or self.step_time_ratios
         if not ratios:
             return 1.0
         position = u * len(ratios) - 0.5

@@ -298,3 +298,75 @@ def test_the_deployed_fit_separates_a_step_alone_from_the_contention_of_the_othe
     (steps_dir / "generation-0.jsonl").unlink()
     alone, _ = deployed._fit_contended(deployed._logged_steps(steps_dir), as_profile)
     assert alone.contention == 0.0
+
+
+def test_the_hand_over_is_measured_from_the_context_s_step_to_the_step_taking_it_up_on_an_idle_instance(tmp_path: Path) -> None:
+    """Since a landed hand-over's commit is reported with its first decode step's token, the router's
+    TRANSMISSION to GENERATING holds that step and the poll's way back: the measurement takes the
+    steps themselves, and leaves out requests that may have waited for a busy generation step."""
+    from cluster.sim import deployed
+
+    steps_dir = tmp_path / "steps"
+    steps_dir.mkdir()
+    prefill = [(100.000, 100.050), (101.000, 101.050)]  # (start, end): each finishes one request's context
+    # Request 1: the generation instance idle until 100.070, then a 10 ms step taking it up (20 ms
+    # after its context's end). Request 2: a step runs in between (101.055-101.075): it may have waited.
+    generation = [(100.070, 100.080), (101.055, 101.075), (101.076, 101.086)]
+    for name, spans in (("prefill-0", prefill), ("generation-0", generation)):
+        rows = [{"t": end, "ctx": 0, "pairs": 0, "seqs": 1, "dctx": 1, "s": end - start, "loop_s": end - start} for start, end in spans]
+        (steps_dir / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    timeline_path = tmp_path / "timelines.jsonl"
+
+    def record(queued: float, transmission: float, generating: float) -> dict:
+        return {"usage": {"prompt_tokens": 64}, "timeline": [
+            {"state": "QUEUED", "time_s": queued, "instance_id": None},
+            {"state": "CONTEXT_IN_PROGRESS", "time_s": queued + 0.01, "instance_id": "prefill-0"},
+            {"state": "TRANSMISSION", "time_s": transmission, "instance_id": "prefill-0"},
+            {"state": "GENERATING", "time_s": generating, "instance_id": "generation-0"},
+        ]}
+
+    # The router hears each a few ms after the step that caused it.
+    timeline_path.write_text("".join(json.dumps(r) + "\n" for r in (record(99.99, 100.053, 100.084), record(100.99, 101.053, 101.089))))
+    spans = deployed._step_spans(steps_dir)
+    assert spans["generation-0"] == sorted(generation)
+    link_s = DATA_PLANES[deployed.HANDOVER_PLANE].transfer_s(64 * 4096)
+    measured = deployed._handover_seconds(timeline_path, spans, 16, 4096, since_s=0.0)
+    assert measured == [pytest.approx(0.020 - link_s)]  # not 0.031: the router's span held the step
+    assert deployed._handover_seconds(timeline_path, spans, 16, 4096, since_s=100.5) == []  # admitted before
+
+
+def test_steps_with_context_draw_from_their_own_spread_when_the_profile_has_one() -> None:
+    both = dataclasses.replace(PROFILE, step_time_ratios=(0.5, 1.5), context_step_time_ratios=(0.9, 1.1))
+    assert both.step_factor(0.0) == 0.5 and both.step_factor(0.0, True) == 0.9
+    one = dataclasses.replace(PROFILE, step_time_ratios=(0.5, 1.5))
+    assert one.step_factor(0.0, True) == 0.5  # none for context steps: the one spread
+    assert StepProfile.from_dict(json.loads(json.dumps(both.to_dict()))) == both
+    with pytest.raises(ProfileError, match="context_step_time_ratios"):
+        dataclasses.replace(PROFILE, context_step_time_ratios=(1.0,))
+    with pytest.raises(ProfileError, match="context_step_time_ratios"):
+        dataclasses.replace(PROFILE, step_time_ratios=(1.0,), context_step_time_ratios=(1.1, 0.9))
+
+
+def test_step_speed_is_the_logged_steps_time_over_the_profile_s_model(tmp_path: Path) -> None:
+    from cluster.sim import deployed
+
+    profile = dataclasses.replace(PROFILE, contention=0.5)
+    steps_dir = tmp_path / "steps"
+    steps_dir.mkdir()
+    assert deployed.step_speed(steps_dir, profile) is None  # nothing logged
+    # One instance alone (no contention): steps 1.5 times the model's.
+    rows, now = [], 10.0
+    for seqs in (1, 2, 4, 8):
+        step_s = 1.5 * profile.step_s(128, context_pairs(0, 128), seqs, seqs * 64)
+        now += step_s + 1e-3
+        rows.append({"t": now, "ctx": 128, "pairs": context_pairs(0, 128), "seqs": seqs, "dctx": seqs * 64, "s": step_s, "loop_s": step_s})
+    (steps_dir / "mixed-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert deployed.step_speed(steps_dir, profile) == pytest.approx(1.5)
+    # Another instance mid-step through all of them (one long step from t=1): the model's contention
+    # (1 + 0.5 x 1) explains a further 1.5x, so they still ran at 1.5; that long step itself, alone
+    # as it started, ran `lone` times its model.
+    slower = [row | {"s": row["s"] * 1.5, "loop_s": row["loop_s"] * 1.5} for row in rows]
+    (steps_dir / "mixed-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in slower))
+    (steps_dir / "mixed-1.jsonl").write_text(json.dumps({"t": now + 1.0, "ctx": 0, "pairs": 0, "seqs": 1, "dctx": 1, "s": now, "loop_s": now}) + "\n")
+    lone = now / profile.step_s(0, 0, 1, 1)
+    assert deployed.step_speed(steps_dir, profile) == pytest.approx((4 * 1.5 + lone) / 5)
