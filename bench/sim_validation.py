@@ -17,7 +17,14 @@ is within bound when its error is at most max(15 %, 2 x the real-vs-real error).
 
 Figures: `<case>_<metric>_rel_error`, `median_rel_error`, `cases_within_bound` / `cases_total` (a case
 is within bound when all four of its metrics are), and `metrics_within_bound` / `metrics_total`.
-`median_noise_floor` is the median error a perfect simulator would show against these real runs:
+`<case>_real_step_speed` is how the real runs' steps took against the profile's model of them
+(their instances log each step; the mean of measured over modelled time, contention included: 1.0
+when the model meets them on average), and `speed_matched_median_rel_error` the median error of the
+same simulations with the profile's step times scaled by it: what is left when the step model's
+level is right, so that the difference between the two is the step model's (the host's speed
+drifting between the profile's measurement and the real runs, or the model missing these
+workloads' shapes) and the rest the queueing, scheduling and control path's. A diagnosis, not the
+validation: it takes the step times from the runs it predicts. `median_noise_floor` is the median error a perfect simulator would show against these real runs:
 one that predicts each metric's expected value exactly still misses the mean of two noisy runs by
 |a - b| / (a + b) on average (the mean's deviation is half the runs' difference). When it is above
 the 15 % target, the host's noise alone puts the target out of reach for that run, whatever the
@@ -42,6 +49,7 @@ import logging
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -58,7 +66,7 @@ from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_worklo
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
-from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed  # noqa: E402
+from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed, step_speed  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
 from cluster.sim.profile import ProfileError, StepProfile  # noqa: E402
 
@@ -104,30 +112,48 @@ def figures_of(metrics: BenchMetrics) -> dict[str, float | None]:
     }
 
 
-def real_runs(topology: str, cases: dict[str, WorkloadConfig], rates: dict[str, float], seed: int) -> dict[str, list[dict]]:
+def real_runs(
+    topology: str, cases: dict[str, WorkloadConfig], rates: dict[str, float], seed: int, profile: StepProfile
+) -> tuple[dict[str, list[dict]], dict[str, list[float | None]]]:
     """Each case twice, each time on a cluster of its own: the same seed means the same prompts, and
     the second run must not find the first one's in the prefix cache (nor any case another's), as
-    the simulator starts every case on empty instances."""
+    the simulator starts every case on empty instances. Returns each run's figures and how fast the
+    host ran its steps against `profile` (its instances log them: cluster/sim/deployed.py step_speed)."""
     from cluster.deploy.embedded import BackgroundCluster
 
-    config = cluster_config(topology, seed)
     results: dict[str, list[dict]] = {}
+    speeds: dict[str, list[float | None]] = {}
     for name, workload in cases.items():
-        runs = []
+        runs, run_speeds = [], []
         for repeat in range(2):
             progress(f"{topology} {name} real #{repeat + 1}: starting the embedded cluster ...")
             settings = BenchSettings(
                 workload=workload, points=(PoissonArrivals(rates[name]),), slo=Slo(), sampling=SamplingSpec(),
                 warmup=4, seed=seed, out_dir=Path("."), plots=False, progress=False,
             )
-            with BackgroundCluster(config) as cluster:
-                point = asyncio.run(run_points(cluster.target, {}, settings, None))[0]
+            with tempfile.TemporaryDirectory(prefix="duet-validation-steps-") as steps_dir:
+                config = msgspec.structs.replace(cluster_config(topology, seed), step_log_dir=steps_dir)
+                with BackgroundCluster(config) as cluster:
+                    point = asyncio.run(run_points(cluster.target, {}, settings, None))[0]
+                run_speeds.append(step_speed(Path(steps_dir), profile))
             if point.metrics.failed:
                 progress(f"{topology} {name}: {point.metrics.failed} real requests failed")
             runs.append(figures_of(point.metrics))
-            progress(f"{topology} {name} real #{repeat + 1}: {runs[-1]}")
+            progress(f"{topology} {name} real #{repeat + 1}: {runs[-1]}, steps at {run_speeds[-1]} x the profile's")
         results[name] = runs
-    return results
+        speeds[name] = run_speeds
+    return results, speeds
+
+
+# The step model's time coefficients (StepProfile.step_s), which a host's speed scales.
+STEP_TIMES = ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
+              "decode_s_per_context_token", "context_step_s")
+
+
+def speed_matched(profile: StepProfile, speed: float) -> StepProfile:
+    """`profile` with its steps `speed` times as long (the real runs' own steps against the profile's
+    model of them), the control path as measured."""
+    return dataclasses.replace(profile, **{name: getattr(profile, name) * speed for name in STEP_TIMES})
 
 
 def sim_run(topology: str, workload: WorkloadConfig, rate: float, settings: SimSettings, seed: int) -> dict:
@@ -149,6 +175,8 @@ class RealRuns(msgspec.Struct, forbid_unknown_fields=True):
     profiles: dict[str, dict] = {}
     rates: dict[str, dict[str, float]] = {}
     real: dict[str, dict[str, list[dict[str, float | None]]]] = {}
+    # How fast each real run's steps ran against the profile (step_speed); {} in files written before.
+    step_speeds: dict[str, dict[str, list[float | None]]] = {}
 
 
 def load_real_runs(path: Path) -> RealRuns:
@@ -178,6 +206,16 @@ def _load_average() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+def real_mean(runs: list[dict[str, float | None]], metric: str) -> float | None:
+    first, second = runs[0][metric], runs[1][metric]
+    return None if first is None or second is None else (first + second) / 2
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 4) if present else None
 
 
 def relative(a: float | None, b: float | None) -> float | None:
@@ -245,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     errors: list[float] = []
     floors: list[float] = []  # per metric, the error a perfect simulator would show (noise_floor)
+    speed_matched_errors: list[float] = []
+    speed_rows: list[list] = []
     cases_within = metrics_within = metrics_total = 0
     for topology in topologies:
         profile = profile_for(topology)
@@ -252,10 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
         if stored is not None:  # the rates the real runs ran at, whatever profile simulates them now
             rates, real = stored.rates[topology], stored.real[topology]
+            speeds = stored.step_speeds.get(topology, {}) if args.profile is None else {}
         else:
             rates = {name: rate_for(cluster_config(topology, args.seed), profile, workload) for name, workload in cases.items()}
-            real = real_runs(topology, cases, rates, args.seed)
+            real, speeds = real_runs(topology, cases, rates, args.seed, profile)
             kept.profiles[topology], kept.rates[topology], kept.real[topology] = profile.to_dict(), rates, real
+            kept.step_speeds[topology] = speeds
             if args.out is not None:  # after each cluster: what a later failure would lose is the rest
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / REAL_RUNS_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(kept)))
@@ -265,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             all_within = True
             for metric in METRICS:
                 first, second = real[name][0][metric], real[name][1][metric]
-                mean = None if first is None or second is None else (first + second) / 2
+                mean = real_mean(real[name], metric)
                 error = relative(predicted[metric], mean)
                 noise = relative(first, second) if first is not None and second is not None else None
                 floor = noise_floor(first, second)
@@ -283,6 +325,19 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([case, metric, mean, predicted[metric], error, noise, floor, "yes" if within else "no"])
             cases_within += all_within
             figures[f"{case}_rate_per_s"] = round(rates[name], 3)
+            # How much of the error is the step model's level on these runs (the host's speed since
+            # the profile was measured, or shapes it misses): the same simulation with the steps as
+            # long as the real runs' own on average (a diagnosis, not the validation: it takes the
+            # step times from the runs it predicts).
+            case_speeds = speeds.get(name, [])
+            if len(case_speeds) == 2 and None not in case_speeds:
+                speed = statistics.fmean(case_speeds)
+                matched = sim_run(topology, workload, rates[name], dataclasses.replace(settings, profile=speed_matched(profile, speed)), args.seed)
+                case_errors = [relative(predicted[m], real_mean(real[name], m)) for m in METRICS]
+                matched_errors = [relative(matched[m], real_mean(real[name], m)) for m in METRICS]
+                speed_matched_errors.extend(e for e in matched_errors if e is not None)
+                figures[f"{case}_real_step_speed"] = round(speed, 4)
+                speed_rows.append([case, speed, _median(case_errors), _median(matched_errors)])
     figures["profiles"] = profiles
     figures["load_average_after"] = _load_average()  # the host's 1, 5 and 15 minute load: other jobs make real runs noisy
     figures["median_rel_error"] = round(statistics.median(errors), 4) if errors else None
@@ -291,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     figures["cases_total"] = len(topologies) * len(cases)
     figures["metrics_within_bound"] = metrics_within
     figures["metrics_total"] = metrics_total
+    figures["speed_matched_median_rel_error"] = _median(speed_matched_errors)
     print_table(["case", "metric", "real ms", "sim ms", "error", "real vs real", "noise floor", "within"],
                 [["-" if c is None else c for c in row] for row in rows])
+    if speed_rows:
+        print_table(["case", "real steps / profile", "median error", "median error, steps at the real speed"],
+                    [["-" if c is None else c for c in row] for row in speed_rows])
     targets = {"median_rel_error": Target(figures["median_rel_error"] or 1.0, MIN_BOUND, higher_is_better=False)}
     emit_result(BENCH, figures, targets)
     return 0

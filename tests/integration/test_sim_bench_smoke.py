@@ -48,6 +48,10 @@ def test_sim_validation_quick_and_its_replay(tmp_path) -> None:
             assert figures[f"{case}_{metric}_rel_error"] >= 0
             assert figures[f"{case}_{metric}_real_vs_real"] >= 0
     assert 0 <= figures["median_noise_floor"] < 1 and figures["median_rel_error"] >= 0
+    # The real runs' instances logged their steps: how fast the host ran them against the profile.
+    for case in ("1p1g_prefill_heavy", "1p1g_decode_heavy"):
+        assert figures[f"{case}_real_step_speed"] > 0
+    assert figures["speed_matched_median_rel_error"] >= 0
     assert set(envelope["targets"]) == {"median_rel_error"}
 
     stored = json.loads((tmp_path / "real_runs.json").read_text())
@@ -55,6 +59,6 @@ def test_sim_validation_quick_and_its_replay(tmp_path) -> None:
     replayed, _ = run_bench("sim_validation.py", "--replay", str(tmp_path / "real_runs.json"), timeout_s=120)
     again = replayed["figures"]
     # The simulation is seeded: against the same real runs it makes the same errors.
-    for key in ("median_rel_error", "median_noise_floor", "cases_within_bound", "metrics_within_bound"):
+    for key in ("median_rel_error", "median_noise_floor", "cases_within_bound", "metrics_within_bound", "speed_matched_median_rel_error"):
         assert again[key] == figures[key], key
     assert again["replayed"].endswith("real_runs.json")
