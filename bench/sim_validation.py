@@ -305,10 +305,12 @@ def main(argv: list[str] | None = None) -> int:
             case = f"{topology}_{name}"
             predicted = sim_run(topology, workload, rates[name], settings, args.seed)
             all_within = True
+            case_errors: list[float | None] = []
             for metric in METRICS:
                 first, second = real[name][0][metric], real[name][1][metric]
                 mean = real_mean(real[name], metric)
                 error = relative(predicted[metric], mean)
+                case_errors.append(error)
                 noise = relative(first, second) if first is not None and second is not None else None
                 floor = noise_floor(first, second)
                 if floor is not None:
@@ -333,7 +335,6 @@ def main(argv: list[str] | None = None) -> int:
             if len(case_speeds) == 2 and None not in case_speeds:
                 speed = statistics.fmean(case_speeds)
                 matched = sim_run(topology, workload, rates[name], dataclasses.replace(settings, profile=speed_matched(profile, speed)), args.seed)
-                case_errors = [relative(predicted[m], real_mean(real[name], m)) for m in METRICS]
                 matched_errors = [relative(matched[m], real_mean(real[name], m)) for m in METRICS]
                 speed_matched_errors.extend(e for e in matched_errors if e is not None)
                 figures[f"{case}_real_step_speed"] = round(speed, 4)

@@ -161,7 +161,8 @@ def _timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _handover_seconds(
-    timeline_path: Path, spans: dict[str, list[tuple[float, float]]], tokens_per_block: int, kv_bytes_per_token: int, since_s: float
+    timelines: list[dict[str, Any]], spans: dict[str, list[tuple[float, float]]], tokens_per_block: int, kv_bytes_per_token: int,
+    since_s: float,
 ) -> list[float]:
     """Per disaggregated request admitted at or after wall-clock `since_s`, whose generation instance
     was idle from its context's end until the step that took it up: from the end of the prefill
@@ -173,19 +174,14 @@ def _handover_seconds(
     the token of its first decode step (worker/instance.py, since ca4d585), so that span holds the
     whole step and the poll's way back, which the simulator runs and charges itself; and a request
     that waited for a busy generation instance's step to end waited for what the simulator also
-    models. `spans`: each instance's logged steps, (start, end) by start (_step_spans)."""
+    models. `timelines`: _timelines; `spans`: each instance's logged steps (_step_spans)."""
     link = DATA_PLANES[HANDOVER_PLANE]
     out = []
-    for record in _timeline_records(timeline_path):
-        times: dict[str, float] = {}
-        instances: dict[str, str] = {}
-        for entry in record.get("timeline", ()):
-            times.setdefault(entry["state"], entry["time_s"])
-            instances.setdefault(entry["state"], entry.get("instance_id") or "")
+    for times in timelines:
         transmission, generating = times.get("TRANSMISSION"), times.get("GENERATING")
         if transmission is None or generating is None or times.get("QUEUED", 0.0) < since_s:
             continue
-        prefill, generation = spans.get(instances.get("CONTEXT_IN_PROGRESS", "")), spans.get(instances["GENERATING"])
+        prefill, generation = spans.get(times.get("context_instance", "")), spans.get(times.get("generation_instance", ""))
         if not prefill or not generation:
             continue
         # The prefill step whose end the router heard as TRANSMISSION, and the generation step whose
@@ -196,8 +192,7 @@ def _handover_seconds(
             continue
         if taken_up and generation[taken_up - 1][1] > prefill[context_end][1]:
             continue  # the generation instance stepped in between: the request may have waited for it
-        prompt = record.get("usage", {}).get("prompt_tokens", 0)
-        num_bytes = math.ceil(prompt / tokens_per_block) * tokens_per_block * kv_bytes_per_token
+        num_bytes = math.ceil(times["prompt_tokens"] / tokens_per_block) * tokens_per_block * kv_bytes_per_token
         out.append(max(0.0, generation[taken_up][0] - prefill[context_end][1] - link.transfer_s(num_bytes)))
     return out
 
@@ -205,7 +200,7 @@ def _handover_seconds(
 def _last_ending_before(spans: list[tuple[float, float]], time_s: float) -> int | None:
     """The index of the last of one instance's steps (by start; they do not overlap, so also by end)
     to end at or before `time_s`."""
-    index = bisect.bisect_right([end for _, end in spans], time_s) - 1
+    index = bisect.bisect_right(spans, time_s, key=lambda span: span[1]) - 1
     return index if index >= 0 else None
 
 
@@ -248,7 +243,8 @@ class _PointRun:
 
 def _timelines(timeline_path: Path) -> list[dict[str, Any]]:
     """Per ended request: its first time in each global state (wall clock), its prompt length
-    ("prompt_tokens") and the instance that ran its context ("context_instance")."""
+    ("prompt_tokens"), the instance that ran its context ("context_instance") and the one that
+    took up its generation ("generation_instance")."""
     out = []
     for record in _timeline_records(timeline_path):
         times: dict[str, Any] = {}
@@ -256,6 +252,8 @@ def _timelines(timeline_path: Path) -> list[dict[str, Any]]:
             times.setdefault(entry["state"], entry["time_s"])
             if entry["state"] == "CONTEXT_IN_PROGRESS":
                 times.setdefault("context_instance", entry.get("instance_id") or "")
+            elif entry["state"] == "GENERATING":
+                times.setdefault("generation_instance", entry.get("instance_id") or "")
         times["prompt_tokens"] = record.get("usage", {}).get("prompt_tokens", 0)
         times["end"] = record["timeline"][-1]["time_s"] if record.get("timeline") else 0.0
         out.append(times)
@@ -516,8 +514,8 @@ def measure_deployed(
             else:
                 ratios, context_ratios = all_ratios, []
         spans = _step_spans(steps_dir)
-        handovers = _handover_seconds(timeline_path, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
         timelines = _timelines(timeline_path)
+        handovers = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
         calls = _calls(timelines, spans, second_s)
     ways_in, ways_out = _frontend(runs, timelines)
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)

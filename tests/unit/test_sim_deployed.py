@@ -330,9 +330,10 @@ def test_the_hand_over_is_measured_from_the_context_s_step_to_the_step_taking_it
     spans = deployed._step_spans(steps_dir)
     assert spans["generation-0"] == sorted(generation)
     link_s = DATA_PLANES[deployed.HANDOVER_PLANE].transfer_s(64 * 4096)
-    measured = deployed._handover_seconds(timeline_path, spans, 16, 4096, since_s=0.0)
+    timelines = deployed._timelines(timeline_path)
+    measured = deployed._handover_seconds(timelines, spans, 16, 4096, since_s=0.0)
     assert measured == [pytest.approx(0.020 - link_s)]  # not 0.031: the router's span held the step
-    assert deployed._handover_seconds(timeline_path, spans, 16, 4096, since_s=100.5) == []  # admitted before
+    assert deployed._handover_seconds(timelines, spans, 16, 4096, since_s=100.5) == []  # admitted before
 
 
 def test_steps_with_context_draw_from_their_own_spread_when_the_profile_has_one() -> None:
