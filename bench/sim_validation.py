@@ -24,7 +24,9 @@ same simulations with the profile's step times scaled by it: what is left when t
 level is right, so that the difference between the two is the step model's (the host's speed
 drifting between the profile's measurement and the real runs, or the model missing these
 workloads' shapes) and the rest the queueing, scheduling and control path's. A diagnosis, not the
-validation: it takes the step times from the runs it predicts. `median_noise_floor` is the median error a perfect simulator would show against these real runs:
+validation: it takes the step times from the runs it predicts.
+
+`median_noise_floor` is the median error a perfect simulator would show against these real runs:
 one that predicts each metric's expected value exactly still misses the mean of two noisy runs by
 |a - b| / (a + b) on average (the mean's deviation is half the runs' difference). When it is above
 the 15 % target, the host's noise alone puts the target out of reach for that run, whatever the

@@ -20,7 +20,8 @@ a poll waits for mail as the real long poll does. A killed instance answers ever
 InstanceUnavailable, as a dead Ray actor does.
 
 A profile with a spread (StepProfile.step_time_ratios, and context_step_time_ratios for the steps
-that run context) makes each step take its model time times a factor drawn from it (the instance's own generator, seeded by the simulation: a rerun is identical).
+that run context) makes each step take its model time times a factor drawn from it (the instance's
+own generator, seeded by the simulation: a rerun is identical).
 A profile with contention (instances sharing one host's cores) also makes it take
 `StepProfile.contended` of the number of the simulation's other instances mid-step as it starts.
 
