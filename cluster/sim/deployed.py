@@ -35,7 +35,11 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    prefill step that finished a request's context to the start of the generation step that took it
    up, less the link model's time for its KV bytes, over the requests whose generation instance was
    idle in between (0 where nothing is handed over; _handover_seconds says why not the router's
-   TRANSMISSION to GENERATING, which it was until profiles measured on 2026-12-03).
+   TRANSMISSION to GENERATING, which it was until profiles measured on 2026-12-03). Where fewer than
+   MIN_IDLE_HANDOVERS requests of the loaded passes found it idle (a short calibration keeps it
+   busy), over those of the first pass as well. The fit also records the median of the hand-overs to
+   a busy generation instance (known only to an interval: _censored_median), which the simulator's
+   one constant does not model: they take longer (the receiver shares the instance's cores).
 
 The profile's `fit` records all of it: the configuration, the passes and their fits, the
 percentiles of every control-path measurement, the host's load average before and after.
@@ -58,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind
@@ -109,6 +114,7 @@ SETTLED = 0.15
 SPREAD_POINTS = 20  # quantiles of StepProfile.step_time_ratios
 CONTENTION_ROUNDS = 6  # refits of the step model with the contention taken out (it settles in 2-3)
 CONTENTION_SETTLED = 0.005
+MIN_IDLE_HANDOVERS = 10  # loaded-pass hand-overs to an idle instance below which the first pass's count too
 TABLE_ROWS = 250  # fitted steps kept in the profile's fit.samples_table
 QUICK_FIRST_PASS = (CalibrationPoint(64, 2, 3, concurrency=1), CalibrationPoint(512, 2, 4, concurrency=2), CalibrationPoint(48, 16, 8, concurrency=4))
 QUICK_SECOND_PASS = (CalibrationPoint(192, 16, 8, load=0.7),)
@@ -163,12 +169,19 @@ def _timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
 def _handover_seconds(
     timelines: list[dict[str, Any]], spans: dict[str, list[tuple[float, float]]], tokens_per_block: int, kv_bytes_per_token: int,
     since_s: float,
-) -> list[float]:
-    """Per disaggregated request admitted at or after wall-clock `since_s`, whose generation instance
-    was idle from its context's end until the step that took it up: from the end of the prefill
-    instance's step that finished its context to the start of that step, less the link model's time
-    for its KV bytes. The push, the commit and the generation instance's wake-up, which is what the
-    simulator's hand-over takes before the request joins a step (cluster/sim/handover.py).
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """Per disaggregated request admitted at or after wall-clock `since_s`: its hand-over's control
+    path, from the end of the prefill instance's step that finished its context until the request
+    could join a generation step, less the link model's time for its KV bytes. The push, the commit
+    and the generation instance's wake-up, which is what the simulator's hand-over takes before the
+    request joins a step (cluster/sim/handover.py).
+
+    Returns (idle, busy). `idle`: the exact time for each request whose generation instance was idle
+    from its context's end until the step that took it up (to that step's start). `busy`: for the
+    others, the interval the time lies in: the engine takes up what landed at the start of its next
+    step (worker/engine.py), so a request taken up by generation step j landed after step j-1 started
+    (or at the context's end, if that was later) and by step j's start (_censored_median estimates
+    their median).
 
     Not the router's TRANSMISSION to GENERATING: an instance reports a landed hand-over's commit with
     the token of its first decode step (worker/instance.py, since ca4d585), so that span holds the
@@ -176,7 +189,8 @@ def _handover_seconds(
     that waited for a busy generation instance's step to end waited for what the simulator also
     models. `timelines`: _timelines; `spans`: each instance's logged steps (_step_spans)."""
     link = DATA_PLANES[HANDOVER_PLANE]
-    out = []
+    idle: list[float] = []
+    busy: list[tuple[float, float]] = []
     for times in timelines:
         transmission, generating = times.get("TRANSMISSION"), times.get("GENERATING")
         if transmission is None or generating is None or times.get("QUEUED", 0.0) < since_s:
@@ -190,11 +204,43 @@ def _handover_seconds(
         taken_up = _last_ending_before(generation, generating)
         if context_end is None or taken_up is None or generation[taken_up][0] < prefill[context_end][1]:
             continue
-        if taken_up and generation[taken_up - 1][1] > prefill[context_end][1]:
-            continue  # the generation instance stepped in between: the request may have waited for it
-        num_bytes = math.ceil(times["prompt_tokens"] / tokens_per_block) * tokens_per_block * kv_bytes_per_token
-        out.append(max(0.0, generation[taken_up][0] - prefill[context_end][1] - link.transfer_s(num_bytes)))
-    return out
+        context_end_s, taken_up_s = prefill[context_end][1], generation[taken_up][0]
+        link_s = link.transfer_s(math.ceil(times["prompt_tokens"] / tokens_per_block) * tokens_per_block * kv_bytes_per_token)
+        if taken_up and generation[taken_up - 1][1] > context_end_s:
+            # The generation instance stepped in between: the request may have waited for its step.
+            landed_after_s = max(context_end_s, generation[taken_up - 1][0])
+            busy.append((max(0.0, landed_after_s - context_end_s - link_s), max(0.0, taken_up_s - context_end_s - link_s)))
+        else:
+            idle.append(max(0.0, taken_up_s - context_end_s - link_s))
+    return idle, busy
+
+
+def _censored_median(exact: list[float], intervals: list[tuple[float, float]], tolerance: float = 1e-9) -> float | None:
+    """The median of a distribution observed exactly (`exact`) and only as the closed interval each
+    value lies in (`intervals`), by Turnbull's nonparametric maximum-likelihood estimate: the
+    probability mass sits on the innermost intervals (each an interval's left end followed, among
+    all the ends in order, by a right end), and the self-consistency iteration (an EM) spreads it
+    over them. The median is the middle of the innermost interval where the cumulative mass
+    reaches one half (the estimate says nothing of where within it). None without observations."""
+    observations = [(value, value) for value in exact] + [(min(low, high), max(low, high)) for low, high in intervals]
+    if not observations:
+        return None
+    ends = sorted([(low, 0) for low, _ in observations] + [(high, 1) for _, high in observations])  # a left end first on a tie
+    innermost = [(ends[i][0], ends[i + 1][0]) for i in range(len(ends) - 1) if ends[i][1] == 0 and ends[i + 1][1] == 1]
+    lows = np.array([low for low, _ in observations])[:, None]
+    highs = np.array([high for _, high in observations])[:, None]
+    holds = (lows <= np.array([p for p, _ in innermost])[None, :]) & (np.array([q for _, q in innermost])[None, :] <= highs)
+    mass = np.full(len(innermost), 1.0 / len(innermost))
+    for _ in range(10_000):
+        likelihood = holds @ mass  # each observation's probability under the current masses (> 0: each holds one)
+        updated = mass * (holds / likelihood[:, None]).mean(axis=0)
+        settled = float(np.abs(updated - mass).max()) < tolerance
+        mass = updated
+        if settled:
+            break
+    reached = int(np.searchsorted(np.cumsum(mass), 0.5 - tolerance))
+    low, high = innermost[min(reached, len(innermost) - 1)]
+    return (low + high) / 2
 
 
 def _last_ending_before(spans: list[tuple[float, float]], time_s: float) -> int | None:
@@ -515,12 +561,16 @@ def measure_deployed(
                 ratios, context_ratios = all_ratios, []
         spans = _step_spans(steps_dir)
         timelines = _timelines(timeline_path)
-        handovers = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
+        idle_handovers, busy_handovers = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
+        handovers_from = "loaded passes"
+        if len(idle_handovers) < MIN_IDLE_HANDOVERS:  # a generation instance rarely idle (a short calibration)
+            idle_handovers, _ = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, runs[0].started_s)
+            handovers_from = "all passes"
         calls = _calls(timelines, spans, second_s)
     ways_in, ways_out = _frontend(runs, timelines)
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
     call_there, call_back = (_percentiles(ways) for ways in calls)
-    handover = _percentiles(handovers)
+    handover = _percentiles(idle_handovers)
     groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
     table_every = max(1, math.ceil(len(steps) / TABLE_ROWS))  # every n-th fitted step goes in the profile
     return {
@@ -548,7 +598,8 @@ def measure_deployed(
             "frontend_latency_s the mean of the median ways in (client send to admission) and out (the router's "
             "first token to the client's); handover_fixed_s is the median time from the end of the prefill "
             "step that finished a request's context to the start of the generation step that took it up, over "
-            f"requests whose generation instance was idle in between, less the {HANDOVER_PLANE} link time of its KV"
+            f"requests whose generation instance was idle in between, less the {HANDOVER_PLANE} link time of its KV "
+            f"(over all passes where the loaded ones had fewer than {MIN_IDLE_HANDOVERS} such requests)"
         ),
         "fit": {
             **quality,
@@ -562,7 +613,9 @@ def measure_deployed(
             "call_way_back_s": call_back,
             "frontend_way_in_s": way_in,
             "frontend_way_out_s": way_out,
-            "handover_control_s": handover,
+            "handover_control_s": {**handover, "from": handovers_from},  # to an idle generation instance
+            # To a busy one (loaded passes), known to an interval each: not in the simulator's model.
+            "handover_busy_control_s": {"n": len(busy_handovers), "p50": _censored_median([], busy_handovers)},
             "all_steps_time_ratios": all_ratios,
             "load_average_before": load_before,
             "load_average_after": _load_average(),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
+import statistics
 import time
 from pathlib import Path
 
@@ -331,9 +333,39 @@ def test_the_hand_over_is_measured_from_the_context_s_step_to_the_step_taking_it
     assert spans["generation-0"] == sorted(generation)
     link_s = DATA_PLANES[deployed.HANDOVER_PLANE].transfer_s(64 * 4096)
     timelines = deployed._timelines(timeline_path)
-    measured = deployed._handover_seconds(timelines, spans, 16, 4096, since_s=0.0)
-    assert measured == [pytest.approx(0.020 - link_s)]  # not 0.031: the router's span held the step
-    assert deployed._handover_seconds(timelines, spans, 16, 4096, since_s=100.5) == []  # admitted before
+    idle, busy = deployed._handover_seconds(timelines, spans, 16, 4096, since_s=0.0)
+    assert idle == [pytest.approx(0.020 - link_s)]  # not 0.031: the router's span held the step
+    # Request 2 landed after the step in between started (else that step would have taken it up) and
+    # by the start of the one that did.
+    assert busy == [(pytest.approx(0.005 - link_s), pytest.approx(0.026 - link_s))]
+    assert deployed._handover_seconds(timelines, spans, 16, 4096, since_s=100.5) == ([], busy)  # the first admitted before
+
+
+def test_the_censored_median_finds_the_hand_over_of_requests_that_met_a_busy_generation_instance() -> None:
+    """A generation instance stepping back to back takes a hand-over up at the first step to start
+    after it lands: each such request gives only the interval between two step starts. The estimate
+    from such intervals alone finds the true median, where the intervals' ends and middles do not."""
+    from cluster.sim import deployed
+
+    rng = random.Random(7)
+    intervals, truths = [], []
+    for _ in range(400):
+        starts = [0.0]
+        while starts[-1] < 0.3:
+            starts.append(starts[-1] + rng.uniform(0.015, 0.035))  # decode steps, back to back
+        context_end = rng.uniform(0.05, 0.2)
+        handover = rng.uniform(0.008, 0.020)  # median 14 ms
+        truths.append(handover)
+        taken_up = next(i for i, start in enumerate(starts) if start >= context_end + handover)
+        intervals.append((max(context_end, starts[taken_up - 1]) - context_end, starts[taken_up] - context_end))
+    estimate = deployed._censored_median([], intervals)
+    assert estimate == pytest.approx(statistics.median(truths), abs=0.0015)
+    assert statistics.median(high for _, high in intervals) > 0.020  # what an upper bound would say
+    # Exact observations alone: their median; none at all: nothing.
+    assert deployed._censored_median([0.003, 0.001, 0.002], []) == 0.002
+    assert deployed._censored_median([], []) is None
+    # Mixed: the exact values pin the mass the intervals leave open.
+    assert deployed._censored_median([0.010] * 5, [(0.0, 0.030)] * 3) == pytest.approx(0.010)
 
 
 def test_steps_with_context_draw_from_their_own_spread_when_the_profile_has_one() -> None:
