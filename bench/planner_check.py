@@ -3,7 +3,10 @@
 For a prefill-heavy and a decode-heavy mix, `duet plan`'s search (cluster/sim/plan.py: every P:D
 split of 4 instances and all MIXED, least_loaded placement) runs in the simulator with the
 profile of this machine measured as deployed (`cpu-builtin-deployed`, which carries how much its
-instances slow each other). Then every split runs for real as `duet serve` would deploy it here
+instances slow each other; it was measured on 2 instances sharing the 2 cores). `--measure`
+measures one first on the deployment the real runs use, 2 PREFILL + 2 GENERATION of 0.5 CPU and 1
+torch thread each (`duet profile --deployed` on that cluster: its steps, how 4 instances slow each
+other, its hand-over), and plans with it; `--profile` names another. Then every split runs for real as `duet serve` would deploy it here
 (4 Ray actors with num_cpus 0.5 and 1 torch thread on a 2-CPU embedded Ray, the built-in model,
 fp32), a fresh cluster per split, loaded by `duet bench`'s runner at a grid of Poisson rates
 around the simulated maxima. A split's real goodput is the highest grid rate below its first
@@ -16,13 +19,14 @@ Figures: `<mix>_<split>_sim_rate_per_s`, `<mix>_<split>_real_goodput_per_s`,
 `<mix>_<split>_real_highest_pass_per_s`, `<mix>_<split>_real_attainment` (per grid rate), `<mix>_picked`,
 `<mix>_real_best`, `<mix>_picked_within_one_step` (1 or 0), `<mix>_plan_wall_s`, `<mix>_real_wall_s`.
 
-    python bench/planner_check.py [--quick] [--requests N]
+    python bench/planner_check.py [--quick] [--requests N] [--profile P | --measure [--save-profile FILE]]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -41,9 +45,10 @@ from cluster.loadgen.runner import SamplingSpec  # noqa: E402
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings  # noqa: E402
-from cluster.sim.deployed import default_config  # noqa: E402
+from cluster.sim.deployed import default_config, measure_deployed  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
-from cluster.sim.plan import best, plan  # noqa: E402
+from cluster.sim.plan import Candidate, best, plan  # noqa: E402
+from cluster.sim.profile import StepProfile  # noqa: E402
 
 BENCH = "planner_check"
 PROFILE = "cpu-builtin-deployed"
@@ -81,14 +86,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the prefill-heavy mix only, 24 requests a point (a smoke run)")
     parser.add_argument("--requests", type=int, default=None, help="requests per real point (default 60)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default=PROFILE, help=f"the profile to plan with (default {PROFILE})")
+    parser.add_argument("--measure", action="store_true",
+                        help=f"measure the profile first, as deployed on {INSTANCES} instances as the real runs deploy them")
+    parser.add_argument("--save-profile", type=Path, default=None, help="with --measure: write the measured profile here")
     args = parser.parse_args(argv)
+    if args.save_profile is not None and not args.measure:
+        parser.error("--save-profile writes what --measure measured")
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     count = args.requests or (24 if args.quick else 60)
     mixes = {"prefill_heavy": MIXES["prefill_heavy"]} if args.quick else MIXES
-    profile = load_profile(PROFILE)
     base = default_config("1p1g")
+    if args.measure:
+        split = Candidate(INSTANCES // 2, INSTANCES - INSTANCES // 2, "least_loaded")
+        progress(f"measuring the profile as deployed on {split.label} ...")
+        document = measure_deployed(split.config(base), name=f"measured-now-{split.num_prefill}p{split.num_generation}g", quick=args.quick, progress=progress)
+        if args.save_profile is not None:
+            args.save_profile.write_text(json.dumps(document, indent=2) + "\n")
+        profile = StepProfile.from_dict(document)
+        profile_name = f"measured now on {split.label} ({document['device']})"
+    else:
+        profile, profile_name = load_profile(args.profile), args.profile
     settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None), seed=args.seed)
-    figures: dict[str, object] = {"profile": PROFILE, "instances": INSTANCES, "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
+    figures: dict[str, object] = {"profile": profile_name, "instances": INSTANCES, "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
                                   "attainment": ATTAINMENT, "requests_per_point": count}
     rows = []
     within = 0
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"{mix}_picked"] = picked.candidate.label
         figures[f"{mix}_real_best"] = real_best.label
         figures[f"{mix}_picked_within_one_step"] = int(ok)
-    print(f"{INSTANCES} instances, profile {PROFILE}, SLO TTFT {SLO.ttft_ms:g} ms / TPOT {SLO.tpot_ms:g} ms for {ATTAINMENT:.0%}")
+    print(f"{INSTANCES} instances, profile {profile_name}, SLO TTFT {SLO.ttft_ms:g} ms / TPOT {SLO.tpot_ms:g} ms for {ATTAINMENT:.0%}")
     print_table(["mix", "split", "sim max req/s", "real goodput req/s", "real attainment per grid rate", ""], rows)
     emit_result(BENCH, figures, {"mixes_picked_within_one_step": Target(within, len(mixes), True)})
     return 0
