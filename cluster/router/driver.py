@@ -588,10 +588,12 @@ class Router:
         is probed while the poll goes on: a probe that says the instance is gone (Ray reports its
         actor restarting or dead, or another incarnation answers) ends the poll as dead at once;
         a slow probe proves nothing, and the poll is awaited as before."""
-        poll = asyncio.ensure_future(member.client.poll(self._poll_timeout_s))
         probe_call = getattr(member.client, "probe", None)
         if probe_call is None or member.dead:
-            return await poll
+            # Nothing to race the poll against: no task of its own (a simulated instance, polled
+            # once per step of each of hundreds of instances, has no probe).
+            return await member.client.poll(self._poll_timeout_s)
+        poll = asyncio.ensure_future(member.client.poll(self._poll_timeout_s))
         health = self.config.health
         probe: asyncio.Future | None = None
         try:
