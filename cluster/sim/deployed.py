@@ -571,6 +571,7 @@ def measure_deployed(
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
     call_there, call_back = (_percentiles(ways) for ways in calls)
     handover = _percentiles(idle_handovers)
+    busy_handover = _censored_median([], busy_handovers) if len(busy_handovers) >= MIN_IDLE_HANDOVERS else None
     groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
     table_every = max(1, math.ceil(len(steps) / TABLE_ROWS))  # every n-th fitted step goes in the profile
     return {
@@ -582,6 +583,7 @@ def measure_deployed(
         **_coefficients(fitted),
         "contention": fitted.contention,
         "handover_fixed_s": handover.get("p50", 0.0),
+        "handover_busy_s": busy_handover,
         "kv_bytes_per_token": kv_bytes_per_token,
         "combine": "sum",
         "step_time_ratios": ratios,
@@ -615,7 +617,7 @@ def measure_deployed(
             "frontend_way_out_s": way_out,
             "handover_control_s": {**handover, "from": handovers_from},  # to an idle generation instance
             # To a busy one (loaded passes), known to an interval each: not in the simulator's model.
-            "handover_busy_control_s": {"n": len(busy_handovers), "p50": _censored_median([], busy_handovers)},
+            "handover_busy_control_s": {"n": len(busy_handovers), "p50": busy_handover},
             "all_steps_time_ratios": all_ratios,
             "load_average_before": load_before,
             "load_average_after": _load_average(),

@@ -95,6 +95,9 @@ class HandoverSide:
         num_blocks = len(self.blocks.block_ids(request.submit.request_id))
         num_bytes = num_blocks * self.config.tokens_per_block * self.profile.kv_bytes_per_token
         control_s = self.profile.handover_fixed_s
+        busy_s = self.profile.handover_busy_s
+        if busy_s is not None and receiver is not None and receiver._stepping:
+            control_s = busy_s  # the receiver is mid-step: it takes the KV in on shared cores
         failure: tuple[FailureReason, str] | None = None
         kill: HandoverSide | None = None
         extra_s = 0.0

@@ -17,7 +17,9 @@ same shared cores. `combine` is "sum" for measured profiles (a linear fit of mea
 overlap) and "max" for roofline ones (a GPU step is bound by compute or by memory traffic, the
 weights' read being in `overhead_s`). A KV hand-over costs `handover_fixed_s` of control path
 (Prepare and Commit round trips) plus the link's time for `kv_bytes_per_token` x its tokens
-(cluster/sim/link.py).
+(cluster/sim/link.py); `handover_busy_s`, where a deployed profile measured it, instead when the
+receiving instance is mid-step as the push starts (it takes the KV in on cores its step is using:
+1.4-2.4x the idle figure on this 2-core host).
 
 A profile measured as deployed (`duet profile --deployed`, cluster/sim/deployed.py) also carries
 how its steps' times spread around the model, `step_time_ratios` (measured / modelled, at evenly
@@ -86,6 +88,9 @@ class StepProfile:
     frontend_latency_s: float | None = None  # seconds, one way per message, as deployed; None: not measured
     # A step's slowdown per other instance mid-step as it starts (the module docstring).
     contention: float = 0.0
+    # The hand-over's control path when the receiving instance is mid-step as the push starts (it
+    # shares that instance's cores): None for handover_fixed_s whatever the receiver does.
+    handover_busy_s: float | None = None
     # One instance's KV pool on the profiled device, for instances whose configuration sizes none
     # (cluster/sim/cluster.py with_profile_pool): a roofline's estimate of device memory less the
     # weights; None for measured profiles, whose engine configuration is the one measured.
@@ -110,7 +115,7 @@ class StepProfile:
             object.__setattr__(self, name, ratios)  # a JSON list becomes the tuple it stands for
         if self.context_step_time_ratios and not self.step_time_ratios:
             raise ProfileError("context_step_time_ratios without step_time_ratios (the spread of the other steps)")
-        for name in ("rpc_latency_s", "frontend_latency_s"):
+        for name in ("rpc_latency_s", "frontend_latency_s", "handover_busy_s"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise ProfileError(f"{name}: a number >= 0 or null, got {value!r}")

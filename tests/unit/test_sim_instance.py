@@ -322,3 +322,39 @@ def test_a_simulated_instance_reports_the_load_the_engine_does_after_every_step(
     queued, pending = 2, 3
     assert any(figures[pending] > figures[queued] for figures in engine_loads)  # contexts in progress, counted
     assert engine_loads[-1][pending] == 0
+
+
+def test_a_hand_over_to_an_instance_mid_step_takes_the_profile_s_busy_control_path(monkeypatch) -> None:
+    """`handover_busy_s` (duet profile --deployed measures it: the receiver shares a busy instance's
+    cores) is charged when the receiving instance is mid-step as the push starts; otherwise, and
+    for profiles without it, `handover_fixed_s`."""
+    import dataclasses
+
+    from cluster.sim.handover import HandoverSide
+
+    started, took = {}, []
+    transfer, done = HandoverSide._transfer, HandoverSide._transfer_done
+
+    def recording_transfer(self, request, target, transfer_id, deadline_s, target_request_id):
+        receiver = self.net.by_address[target]
+        started[transfer_id] = (self._now(), receiver._stepping)
+        return transfer(self, request, target, transfer_id, deadline_s, target_request_id)
+
+    def recording_done(self, request, receiver, transfer_id, target_request_id, num_bytes, *rest):
+        start_s, busy = started[transfer_id]
+        took.append((busy, self._now() - start_s - self.net.network.link.transfer_s(num_bytes)))
+        return done(self, request, receiver, transfer_id, target_request_id, num_bytes, *rest)
+
+    monkeypatch.setattr(HandoverSide, "_transfer", recording_transfer)
+    monkeypatch.setattr(HandoverSide, "_transfer_done", recording_done)
+    busy_profile = dataclasses.replace(PROFILE, handover_busy_s=0.02)
+    for profile in (PROFILE, busy_profile):
+        took.clear()
+        outcome = simulate(_cluster([("PREFILL", 1), ("GENERATION", 1)]), SimSettings(profile, DATA_PLANES["grpc-25gbe"]),
+                           _requests(12, output_len=20), PoissonArrivals(30.0))
+        assert outcome.point.metrics.completed == 12
+        _check_invariants(outcome)
+        assert len(took) == 12 and {busy for busy, _ in took} == {True, False}  # both kinds happen
+        for busy, control_s in took:
+            expected = profile.handover_busy_s if busy and profile.handover_busy_s is not None else profile.handover_fixed_s
+            assert control_s == pytest.approx(expected, abs=5e-4)  # the NIC queue may add a little
