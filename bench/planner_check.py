@@ -1,19 +1,19 @@
 """Does `duet plan` pick the split real runs would? Its choice at 4 instances against real goodput of every split.
 
 For a prefill-heavy and a decode-heavy mix, `duet plan`'s search (cluster/sim/plan.py: every P:D
-split of 4 instances and all MIXED, least_loaded placement) runs in the simulator with the
-profile of this machine measured as deployed (`cpu-builtin-deployed`, which carries how much its
-instances slow each other; it was measured on 2 instances sharing the 2 cores). `--measure`
-measures one first on the deployment the real runs use, 2 PREFILL + 2 GENERATION of 0.5 CPU and 1
-torch thread each (`duet profile --deployed` on that cluster: its steps, how 4 instances slow each
-other, its hand-over), and plans with it; `--profile` names another. Then every split runs for real as `duet serve` would deploy it here
-(4 Ray actors with num_cpus 0.5 and 1 torch thread on a 2-CPU embedded Ray, the built-in model,
-fp32), a fresh cluster per split, loaded by `duet bench`'s runner at a grid of Poisson rates
-around the simulated maxima. A split's real goodput is the highest grid rate below its first
-failure (the planner's own monotone reading) where at least ATTAINMENT of the requests met both
-SLOs; the highest grid rate that passed at all is reported beside it (a point of 60 requests is
-noisy: 6 misses decide it). The grid's step is the resolution: the plan's pick is "within noise" of the real best when
-its real goodput is at most one grid step below it.
+split of 4 instances and all MIXED, least_loaded placement) runs in the simulator with the profile
+of this machine measured as deployed (`cpu-builtin-deployed`, which carries how much its instances
+slow each other; it was measured on 2 instances sharing the 2 cores). `--measure` measures one first
+on the deployment the real runs use, 2 PREFILL + 2 GENERATION of 0.5 CPU and 1 torch thread each
+(`duet profile --deployed` on that cluster: its steps, how 4 instances slow each other, its
+hand-over), and plans with it; `--profile` names another. Then every split runs for real as `duet
+serve` would deploy it here (4 Ray actors with num_cpus 0.5 and 1 torch thread on a 2-CPU embedded
+Ray, the built-in model, fp32), a fresh cluster per split, loaded by `duet bench`'s runner at a grid
+of Poisson rates around the simulated maxima. A split's real goodput is the highest grid rate below
+its first failure (the planner's own monotone reading) where at least ATTAINMENT of the requests met
+both SLOs; the highest grid rate that passed at all is reported beside it (a point of 60 requests is
+noisy: 6 misses decide it). The grid's step is the resolution: the plan's pick is "within noise" of
+the real best when its real goodput is at most one grid step below it.
 
 Figures: `<mix>_<split>_sim_rate_per_s`, `<mix>_<split>_real_goodput_per_s`,
 `<mix>_<split>_real_highest_pass_per_s`, `<mix>_<split>_real_attainment` (per grid rate), `<mix>_picked`,
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         split = Candidate(INSTANCES // 2, INSTANCES - INSTANCES // 2, "least_loaded")
         progress(f"measuring the profile as deployed on {split.label} ...")
-        document = measure_deployed(split.config(base), name=f"measured-now-{split.num_prefill}p{split.num_generation}g", quick=args.quick, progress=progress)
+        name = f"measured-now-{split.num_prefill}p{split.num_generation}g"
+        document = measure_deployed(split.config(base), name=name, quick=args.quick, progress=progress)
         if args.save_profile is not None:
             args.save_profile.write_text(json.dumps(document, indent=2) + "\n")
         profile = StepProfile.from_dict(document)

@@ -37,9 +37,10 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    idle in between (0 where nothing is handed over; _handover_seconds says why not the router's
    TRANSMISSION to GENERATING, which it was until profiles measured on 2026-12-03). Where fewer than
    MIN_IDLE_HANDOVERS requests of the loaded passes found it idle (a short calibration keeps it
-   busy), over those of the first pass as well. The fit also records the median of the hand-overs to
-   a busy generation instance (known only to an interval: _censored_median), which the simulator's
-   one constant does not model: they take longer (the receiver shares the instance's cores).
+   busy), over those of the first pass as well. `handover_busy_s`, the median of the loaded passes'
+   hand-overs to a busy generation instance (each known only to an interval: _censored_median),
+   where there are MIN_IDLE_HANDOVERS of them: they take longer (the receiver shares the instance's
+   cores), and the simulator charges it to a push whose receiver is mid-step.
 
 The profile's `fit` records all of it: the configuration, the passes and their fits, the
 percentiles of every control-path measurement, the host's load average before and after.
@@ -616,7 +617,7 @@ def measure_deployed(
             "frontend_way_in_s": way_in,
             "frontend_way_out_s": way_out,
             "handover_control_s": {**handover, "from": handovers_from},  # to an idle generation instance
-            # To a busy one (loaded passes), known to an interval each: not in the simulator's model.
+            # To a busy one (loaded passes), known to an interval each: the profile's handover_busy_s.
             "handover_busy_control_s": {"n": len(busy_handovers), "p50": busy_handover},
             "all_steps_time_ratios": all_ratios,
             "load_average_before": load_before,

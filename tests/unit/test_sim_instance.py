@@ -6,6 +6,7 @@ legal transitions, no leaked blocks)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -328,8 +329,6 @@ def test_a_hand_over_to_an_instance_mid_step_takes_the_profile_s_busy_control_pa
     """`handover_busy_s` (duet profile --deployed measures it: the receiver shares a busy instance's
     cores) is charged when the receiving instance is mid-step as the push starts; otherwise, and
     for profiles without it, `handover_fixed_s`."""
-    import dataclasses
-
     from cluster.sim.handover import HandoverSide
 
     started, took = {}, []
