@@ -36,9 +36,11 @@ simulator does.
 case's rate and its two real runs' figures); `--replay DIR/real_runs.json` compares the simulator
 with those instead of running anything real, so that a change to the simulator or a profile
 (`--profile`) is judged against the same real runs, in seconds (the real runs of one full
-validation take about 8 minutes and vary from run to run).
+validation take about 8 minutes and vary from run to run). `--keep-steps DIR` keeps the step logs
+behind `<case>_real_step_speed` (each real run's, and with --measure the calibration's the profile
+was fitted to), to find out which steps a profile misses and why.
 
-    python bench/sim_validation.py [--quick] [--requests N] [--profile P | --measure] [--out DIR]
+    python bench/sim_validation.py [--quick] [--requests N] [--profile P | --measure] [--out DIR] [--keep-steps DIR]
     python bench/sim_validation.py --replay DIR/real_runs.json [--profile P]
 """
 
@@ -49,6 +51,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -115,12 +118,14 @@ def figures_of(metrics: BenchMetrics) -> dict[str, float | None]:
 
 
 def real_runs(
-    topology: str, cases: dict[str, WorkloadConfig], rates: dict[str, float], seed: int, profile: StepProfile
+    topology: str, cases: dict[str, WorkloadConfig], rates: dict[str, float], seed: int, profile: StepProfile,
+    keep_steps: Path | None = None,
 ) -> tuple[dict[str, list[dict]], dict[str, list[float | None]]]:
     """Each case twice, each time on a cluster of its own: the same seed means the same prompts, and
     the second run must not find the first one's in the prefix cache (nor any case another's), as
     the simulator starts every case on empty instances. Returns each run's figures and how fast the
-    host ran its steps against `profile` (its instances log them: cluster/sim/deployed.py step_speed)."""
+    host ran its steps against `profile` (its instances log them: cluster/sim/deployed.py step_speed).
+    `keep_steps`: copy each run's step logs to keep_steps/<case>-<run>/."""
     from cluster.deploy.embedded import BackgroundCluster
 
     results: dict[str, list[dict]] = {}
@@ -138,6 +143,8 @@ def real_runs(
                 with BackgroundCluster(config) as cluster:
                     point = asyncio.run(run_points(cluster.target, {}, settings, None))[0]
                 run_speeds.append(step_speed(Path(steps_dir), profile))
+                if keep_steps is not None:
+                    shutil.copytree(steps_dir, keep_steps / f"{name}-{repeat + 1}", dirs_exist_ok=True)
             if point.metrics.failed:
                 progress(f"{topology} {name}: {point.metrics.failed} real requests failed")
             runs.append(figures_of(point.metrics))
@@ -250,10 +257,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the real side (profiles, rates, figures) to DIR/real_runs.json")
     parser.add_argument("--replay", type=Path, default=None,
                         help="a real_runs.json of an earlier run: simulate against its real runs, run nothing real")
+    parser.add_argument(
+        "--keep-steps", type=Path, default=None,
+        help="keep the instances' step logs in DIR/<cluster>/: each real run's (<case>-<run>/) and, with --measure, "
+        "the calibration's (calibration/steps/, with its timelines), to compare the steps the profile was fitted "
+        "to with those it predicts (worker/profiler.py read_step_log)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    if args.replay is not None and (args.measure or args.quick or args.requests is not None or args.out is not None):
-        parser.error("--replay takes its cases, requests, seed and profiles from the file (--profile may override the profiles)")
+    if args.replay is not None and (
+        args.measure or args.quick or args.requests is not None or args.out is not None or args.keep_steps is not None
+    ):
+        parser.error("--replay takes its cases, requests, seed and profiles from the file (--profile may override the profiles) "
+                     "and runs nothing real (no --keep-steps)")
     stored = load_real_runs(args.replay) if args.replay is not None else None
     if stored is not None:
         args.seed = stored.seed
@@ -273,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             # over minutes (two loaded calibration passes minutes apart fitted 110 and 66 us per
             # prefill token), and the other cluster's runs would put minutes between them.
             progress(f"{topology}: measuring its profile as deployed ...")
-            document = measure_deployed(default_config(topology), name=f"measured-now-{topology}", quick=args.quick, progress=progress)
+            document = measure_deployed(
+                default_config(topology), name=f"measured-now-{topology}", quick=args.quick, progress=progress,
+                keep_dir=None if args.keep_steps is None else args.keep_steps / topology / "calibration",
+            )
             return StepProfile.from_dict(document)
         return load_profile(args.profile or PROFILES[topology])
 
@@ -297,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             speeds = stored.step_speeds.get(topology, {}) if args.profile is None else {}
         else:
             rates = {name: rate_for(cluster_config(topology, args.seed), profile, workload) for name, workload in cases.items()}
-            real, speeds = real_runs(topology, cases, rates, args.seed, profile)
+            keep = None if args.keep_steps is None else args.keep_steps / topology
+            real, speeds = real_runs(topology, cases, rates, args.seed, profile, keep)
             kept.profiles[topology], kept.rates[topology], kept.real[topology] = profile.to_dict(), rates, real
             kept.step_speeds[topology] = speeds
             if args.out is not None:  # after each cluster: what a later failure would lose is the rest

@@ -54,6 +54,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -442,6 +443,15 @@ def step_speed(steps_dir: Path, profile: StepProfile) -> float | None:
     return statistics.fmean(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) for step in steps)
 
 
+def keep_calibration(source: Path, keep_dir: Path) -> None:
+    """Copy a calibration's step logs and timelines (`source`: its working directory) to `keep_dir`."""
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source / "steps", keep_dir / "steps", dirs_exist_ok=True)
+    timelines = source / "timelines.jsonl"
+    if timelines.exists():
+        shutil.copy2(timelines, keep_dir / "timelines.jsonl")
+
+
 def _table_row(step: _Step) -> list[float]:
     s = step.sample
     return [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4)]
@@ -463,8 +473,11 @@ def measure_deployed(
     name: str,
     quick: bool = False,
     progress: Callable[[str], None] = lambda _m: None,
+    keep_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Deploy `config`, serve the calibration load, and return the fitted profile document."""
+    """Deploy `config`, serve the calibration load, and return the fitted profile document.
+    `keep_dir`: copy the calibration's step logs (`steps/`) and the front end's timelines there,
+    to study the steps the profile was fitted to (bench/sim_validation.py --keep-steps)."""
     from cluster.client.sdk import AsyncDuetClient
     from cluster.deploy.embedded import BackgroundCluster
     from cluster.loadgen.arrivals import FixedConcurrency, PoissonArrivals
@@ -568,6 +581,8 @@ def measure_deployed(
             idle_handovers, _ = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, runs[0].started_s)
             handovers_from = "all passes"
         calls = _calls(timelines, spans, second_s)
+        if keep_dir is not None:
+            keep_calibration(Path(tmp), keep_dir)
     ways_in, ways_out = _frontend(runs, timelines)
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
     call_there, call_back = (_percentiles(ways) for ways in calls)

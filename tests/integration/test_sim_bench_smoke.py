@@ -9,6 +9,8 @@ import json
 
 from bench_summary import run_bench
 
+from worker.profiler import read_step_log
+
 VALIDATION_METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 
 
@@ -38,7 +40,8 @@ def test_sim_validation_quick_and_its_replay(tmp_path) -> None:
     """--quick runs both cases on real 1P+1G clusters (embedded Ray on 127.0.0.1, a fresh one per
     run, about a minute here) and in the simulator, and emits every figure; --replay of what --out
     kept gives the same comparison without running anything real."""
-    envelope, _ = run_bench("sim_validation.py", "--quick", "--out", str(tmp_path), timeout_s=400)
+    kept = tmp_path / "steps"
+    envelope, _ = run_bench("sim_validation.py", "--quick", "--out", str(tmp_path), "--keep-steps", str(kept), timeout_s=400)
     assert envelope["bench"] == "sim_validation"
     figures = envelope["figures"]
     assert figures["cases_total"] == 2 and figures["metrics_total"] == 8
@@ -52,6 +55,12 @@ def test_sim_validation_quick_and_its_replay(tmp_path) -> None:
     for case in ("1p1g_prefill_heavy", "1p1g_decode_heavy"):
         assert figures[f"{case}_real_step_speed"] > 0
     assert figures["speed_matched_median_rel_error"] >= 0
+    # --keep-steps kept the logs behind those figures: both instances' steps of each run.
+    for case in ("prefill_heavy", "decode_heavy"):
+        for run in (1, 2):
+            logs = sorted((kept / "1p1g" / f"{case}-{run}").glob("*.jsonl"))
+            assert [log.stem for log in logs] == ["generation-0", "prefill-0"]
+            assert all(list(read_step_log(log)) for log in logs)
     assert set(envelope["targets"]) == {"median_rel_error"}
 
     stored = json.loads((tmp_path / "real_runs.json").read_text())

@@ -403,3 +403,21 @@ def test_step_speed_is_the_logged_steps_time_over_the_profile_s_model(tmp_path: 
     (steps_dir / "mixed-1.jsonl").write_text(json.dumps({"t": now + 1.0, "ctx": 0, "pairs": 0, "seqs": 1, "dctx": 1, "s": now, "loop_s": now}) + "\n")
     lone = now / profile.step_s(0, 0, 1, 1)
     assert deployed.step_speed(steps_dir, profile) == pytest.approx((4 * 1.5 + lone) / 5)
+
+
+def test_a_kept_calibration_has_its_step_logs_and_timelines(tmp_path) -> None:
+    # What --keep-steps keeps of a calibration: the step logs its profile was fitted to (the same
+    # files, read the same way) and the front end's timelines, in a directory of the caller's.
+    from cluster.sim import deployed
+    from worker.profiler import read_step_log
+
+    source = tmp_path / "work"
+    (source / "steps").mkdir(parents=True)
+    for name in ("prefill-0", "generation-0"):
+        (source / "steps" / f"{name}.jsonl").write_text(json.dumps({"t": 100.0, "ctx": 64, "pairs": 2080, "seqs": 0, "dctx": 0, "s": 0.01, "loop_s": 0.011}) + "\n")
+    (source / "timelines.jsonl").write_text('{"request_id": "r-1"}\n')
+    kept = tmp_path / "kept" / "1p1g" / "calibration"
+    deployed.keep_calibration(source, kept)
+    assert sorted(p.name for p in (kept / "steps").iterdir()) == ["generation-0.jsonl", "prefill-0.jsonl"]
+    assert [sample.context_tokens for _, sample in read_step_log(kept / "steps" / "prefill-0.jsonl")] == [64]
+    assert (kept / "timelines.jsonl").read_text() == '{"request_id": "r-1"}\n'

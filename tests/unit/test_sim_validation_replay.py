@@ -84,3 +84,14 @@ def test_the_noise_floor_is_what_an_exact_prediction_misses_by() -> None:
     assert statistics.fmean(floors) == pytest.approx(statistics.fmean(missed), rel=0.03)
     assert validation.noise_floor(None, 1.0) is None and validation.noise_floor(0.0, 0.0) is None
     assert validation.noise_floor(100.0, 100.0) == 0.0
+
+
+def test_a_replay_that_would_keep_step_logs_is_refused(tmp_path, capsys) -> None:
+    # A replay runs nothing real, so it has no step logs to keep: refused before anything runs.
+    path = tmp_path / "real_runs.json"
+    path.write_text(json.dumps(_stored()))
+    with pytest.raises(SystemExit) as refused:
+        validation.main(["--replay", str(path), "--keep-steps", str(tmp_path / "steps")])
+    assert refused.value.code == 2
+    assert "runs nothing real (no --keep-steps)" in capsys.readouterr().err
+    assert not (tmp_path / "steps").exists()
