@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from cluster.router.api import InstanceHealthView
 from cluster.router.config import PlacementConfig
 from cluster.router.instance_client import InstanceClient
-from cluster.router.placement import Candidate, InstanceHealth, PlacementPlan, PlacementRequest, Placer
+from cluster.router.placement import Candidate, InstanceHealth, PlacementPlan, PlacementRequest, Placer, Pools
 from cluster.router.prefix_index import PrefixIndex
 from cluster.router.snapshot import InstanceSnapshot
 from worker.protocol import EngineLoad, InstanceInfo, InstanceRole, PollBatch
@@ -48,6 +48,9 @@ class Member:
     dead: bool = False
     attempts: set[str] = field(default_factory=set)  # engine ids of hops believed live there
     candidate: Candidate | None = None  # what placement reads of it; None: rebuild (load or health changed)
+    # Where its candidate sits in the fleet's pools (Fleet._pools): which pool, and its index there.
+    pool: list[Candidate] | None = None
+    pool_index: int = -1
     # Hops to abort when it answers again: those it held when it was declared dead, those whose
     # stop could not reach it, and those whose submit did not answer (it may have landed).
     to_abort: set[str] = field(default_factory=set)
@@ -69,6 +72,15 @@ class Fleet:
         self.prefix = PrefixIndex()
         self._placer = Placer(placement, rng)
         self._dead_after_s = dead_after_s
+        # Placement's two pools of candidates (GENERATION/MIXED, PREFILL), in instance-id order and
+        # kept across decisions: a decision patches in the candidates of the members whose load or
+        # health changed since the last one (`_stale`; a handful, where a pass over 256 instances
+        # was half of what a decision cost), and rebuilds them when membership or a role changes.
+        self._generation_pool: list[Candidate] = []
+        self._prefill_pool: list[Candidate] = []
+        self._unhealthy = {id(self._generation_pool): 0, id(self._prefill_pool): 0}
+        self._stale: list[Member] = []
+        self._pools_valid = False
 
     # --- registry -----------------------------------------------------------------------------------
     def register(self, client: InstanceClient, info: InstanceInfo, now_s: float, wall_s: float) -> Member:
@@ -76,6 +88,7 @@ class Fleet:
         member = Member(client, info, last_ok_s=now_s, last_report_wall_s=wall_s)
         self.members[info.instance_id] = member
         self._in_id_order = sorted(self.members.values(), key=lambda m: m.instance_id)
+        self._pools_valid = False
         self.prefix.remove_instance(info.instance_id)
         return member
 
@@ -86,7 +99,7 @@ class Fleet:
     def answered(self, member: Member, now_s: float) -> None:
         """A poll came back: the instance is reachable."""
         if member.health is not InstanceHealthView.HEALTHY:
-            member.candidate = None
+            self.invalidate(member)
         member.health = InstanceHealthView.HEALTHY
         member.last_ok_s = now_s
         member.failed_polls = 0
@@ -107,7 +120,7 @@ class Fleet:
             return True
         if member.health is InstanceHealthView.HEALTHY:
             member.health = InstanceHealthView.DEGRADED
-            member.candidate = None
+            self.invalidate(member)
             logger.warning("instance %s degraded: %s", member.instance_id, reason)
         return False
 
@@ -119,7 +132,7 @@ class Fleet:
         to abort should it answer again)."""
         member.dead = True
         member.health = InstanceHealthView.UNHEALTHY
-        member.candidate = None
+        self.invalidate(member)
         self.prefix.remove_instance(member.instance_id)
         logger.error("instance %s declared dead: %s", member.instance_id, reason)
         held = sorted(member.attempts)
@@ -130,7 +143,7 @@ class Fleet:
     def revive(self, member: Member) -> None:
         """A dead instance answers again: it starts from an empty prefix view."""
         member.dead = False
-        member.candidate = None
+        self.invalidate(member)
         self.prefix.remove_instance(member.instance_id)
         logger.info("instance %s re-registered", member.instance_id)
 
@@ -150,7 +163,7 @@ class Fleet:
         member.load = load
         member.last_report_wall_s = wall_s
         member.poll_sequence = batch.sequence
-        member.candidate = None
+        self.invalidate(member)
         self.prefix.apply(InstanceSnapshot(member.instance_id, load, sequence=batch.sequence, reset=reset))
 
     def load_snapshot(self, member: Member) -> InstanceSnapshot:
@@ -161,8 +174,63 @@ class Fleet:
 
     # --- placement (FleetView) ------------------------------------------------------------------------
     def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
-        candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
-        return self._placer.place(request, candidates, self.prefix.overlap(request.block_hashes), in_id_order=True)
+        if exclude:  # a retry that must avoid some instances (rare): from every candidate
+            candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
+            return self._placer.place(request, candidates, self.prefix.overlap(request.block_hashes), in_id_order=True)
+        return self._placer.place_pools(request, self._pools(), self.prefix.overlap(request.block_hashes))
+
+    def invalidate(self, member: Member) -> None:
+        """Its load or health changed: placement rebuilds its candidate, and patches it into the pools."""
+        if member.candidate is not None:
+            member.candidate = None
+            self._stale.append(member)
+            if len(self._stale) > 4 * len(self._in_id_order):  # no decision for a long while: rebuild then
+                self._stale.clear()
+                self._pools_valid = False
+
+    def _pools(self) -> Pools:
+        """The pools of the members' current candidates (what `_candidates_excluding(frozenset())`
+        gives, split by role, and the healthy ones of each)."""
+        stale, self._stale = self._stale, []
+        if self._pools_valid:
+            unhealthy = self._unhealthy
+            for member in stale:
+                candidate = member.candidate or self._refresh(member)
+                pool = member.pool
+                role = candidate.load.role
+                if pool is None or (pool is self._prefill_pool) is not (role is InstanceRole.PREFILL):
+                    self._pools_valid = False  # a role changed (a restart under another role): rebuild
+                    break
+                old = pool[member.pool_index]
+                if old.health is not candidate.health:
+                    unhealthy[id(pool)] += 1 if old.health is InstanceHealth.HEALTHY else -1
+                pool[member.pool_index] = candidate
+        if not self._pools_valid:
+            self._rebuild_pools()
+        generation, prefill = self._generation_pool, self._prefill_pool
+        unhealthy = self._unhealthy
+        return Pools(
+            # The pool itself when all are healthy (the common case): no pass over it.
+            generation if not unhealthy[id(generation)] else [c for c in generation if c.health is InstanceHealth.HEALTHY],
+            prefill if not unhealthy[id(prefill)] else [c for c in prefill if c.health is InstanceHealth.HEALTHY],
+            len(generation),
+            len(prefill),
+        )
+
+    def _rebuild_pools(self) -> None:
+        generation, prefill = self._generation_pool, self._prefill_pool
+        generation.clear()
+        prefill.clear()
+        counts = {id(generation): 0, id(prefill): 0}
+        for member in self._in_id_order:
+            candidate = member.candidate or self._refresh(member)
+            pool = prefill if candidate.load.role is InstanceRole.PREFILL else generation
+            member.pool, member.pool_index = pool, len(pool)
+            pool.append(candidate)
+            counts[id(pool)] += candidate.health is not InstanceHealth.HEALTHY
+        self._unhealthy = counts
+        self._stale.clear()
+        self._pools_valid = True
 
     def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
         """A generation instance for the request's generation hop alone; raises NoInstanceAvailable."""

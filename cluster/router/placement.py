@@ -33,6 +33,7 @@ transfer requires it), so the request's block hashes mean the same on each.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -479,7 +480,20 @@ def _able_to_hold(candidates: list[Candidate], tokens: int) -> list[Candidate]:
 
 # The roles that run generation hops (and colocated requests).
 GENERATION_ROLES = frozenset({InstanceRole.GENERATION, InstanceRole.MIXED})
-_GENERATION, _MIXED = InstanceRole.GENERATION, InstanceRole.MIXED
+_GENERATION, _MIXED, _PREFILL = InstanceRole.GENERATION, InstanceRole.MIXED, InstanceRole.PREFILL
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The two hops' pools (Placer.place_pools): the HEALTHY candidates of each, in instance-id order
+    (GENERATION and MIXED instances for the generation hop, PREFILL ones for the prefill hop), and
+    how many of each are registered, healthy or not (for the error when none is healthy). A caller
+    that keeps them vouches for the order and that each instance appears once."""
+
+    healthy_generation: Sequence[Candidate]
+    healthy_prefill: Sequence[Candidate]
+    registered_generation: int
+    registered_prefill: int
 
 
 class Placer:
@@ -507,18 +521,20 @@ class Placer:
 
     def _choose_generation(
         self, request: PlacementRequest, ordered: Sequence[Candidate], overlap_blocks: Mapping[str, int]
-    ) -> tuple[Placement, list[Candidate]]:
+    ) -> tuple[Placement, Sequence[Candidate]]:
         # Roles by identity, not `in GENERATION_ROLES`: an Enum hashes in Python, and this runs over
         # every instance per request.
         generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
         healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
-        if not healthy_generation:
-            raise NoInstanceAvailable(
-                "generation",
-                f"{len(generation_pool)} GENERATION/MIXED instance(s) registered, none healthy",
-            )
-        eligible = _able_to_hold(healthy_generation, request.prompt_tokens + request.expected_decode_tokens)
-        return self._generation_policy.choose_eligible(request, eligible, overlap_blocks), healthy_generation
+        return self._choose_healthy_generation(request, healthy_generation, len(generation_pool), overlap_blocks)
+
+    def _choose_healthy_generation(
+        self, request: PlacementRequest, healthy: Sequence[Candidate], registered: int, overlap_blocks: Mapping[str, int]
+    ) -> tuple[Placement, Sequence[Candidate]]:
+        if not healthy:
+            raise NoInstanceAvailable("generation", f"{registered} GENERATION/MIXED instance(s) registered, none healthy")
+        eligible = _able_to_hold(healthy, request.prompt_tokens + request.expected_decode_tokens)
+        return self._generation_policy.choose_eligible(request, eligible, overlap_blocks), healthy
 
     def place(
         self,
@@ -534,23 +550,47 @@ class Placer:
         # Checked and ordered once for both hops; the policies take the healthy ones from here.
         ordered = candidates if in_id_order else _in_id_order(candidates)
         _check_overlap(overlap_blocks)
-        generation, healthy_generation = self._choose_generation(request, ordered, overlap_blocks)
-        generation_snapshot = next(c.snapshot for c in healthy_generation if c.instance_id == generation.instance_id)
+        generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
+        prefill_pool = [c for c in ordered if c.load.role is _PREFILL]
+        return self._place(
+            request,
+            Pools(
+                [c for c in generation_pool if c.health is InstanceHealth.HEALTHY],
+                [c for c in prefill_pool if c.health is InstanceHealth.HEALTHY],
+                len(generation_pool),
+                len(prefill_pool),
+            ),
+            overlap_blocks,
+        )
+
+    def place_pools(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
+        """Both hops, from pools the caller keeps (the fleet patches them as reports arrive rather
+        than partitioning every instance per request: at 256 instances that was half a decision's
+        time); the same decision as `place` on the candidates they were taken from."""
+        _check_overlap(overlap_blocks)
+        return self._place(request, pools, overlap_blocks)
+
+    def _place(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
+        generation, healthy_generation = self._choose_healthy_generation(
+            request, pools.healthy_generation, pools.registered_generation, overlap_blocks
+        )
+        # The chosen one's snapshot, found by bisection: the pool is in instance-id order.
+        index = bisect.bisect_left(healthy_generation, generation.instance_id, key=_instance_id)
+        generation_snapshot = healthy_generation[index].snapshot
         decision = self._disagg.decide(
             request, generation_snapshot, cached_blocks(request, generation.instance_id, overlap_blocks)
         )
         if not decision.disaggregate:
             return PlacementPlan(request.request_id, Route.COLOCATED, generation, generation, decision)
 
-        prefill_pool = [c for c in ordered if c.load.role is InstanceRole.PREFILL]
-        healthy_prefill = [c for c in prefill_pool if c.health is InstanceHealth.HEALTHY]
+        healthy_prefill = pools.healthy_prefill
         if healthy_prefill:
             # A prefill hop holds the prompt and its first token (worker/engine_types.py hop_max_new_tokens).
             eligible = _able_to_hold(healthy_prefill, request.prompt_tokens + 1)
             context = self._prefill_policy.choose_eligible(request, eligible, overlap_blocks)
             return PlacementPlan(request.request_id, Route.DISAGGREGATED, context, generation, decision)
 
-        reason = f"{len(prefill_pool)} PREFILL instance(s) registered, none healthy"
+        reason = f"{pools.registered_prefill} PREFILL instance(s) registered, none healthy"
         if FallbackKind.COLOCATE_WHEN_NO_PREFILL not in self._config.allowed_fallbacks:
             raise NoInstanceAvailable("prefill", reason)
         logger.warning(

@@ -82,7 +82,7 @@ def fleet_of(*members: tuple[str, InstanceRole], cfg: RouterConfig | None = None
 def set_health(fleet: Fleet, instance_id: str, healthy: bool) -> None:
     member = fleet.members[instance_id]
     member.health = InstanceHealthView.HEALTHY if healthy else InstanceHealthView.UNHEALTHY
-    member.candidate = None
+    fleet.invalidate(member)  # placement rebuilds its candidate
 
 
 @dataclass
