@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 FAILED_POLLS_CONFIRM = 2
 
 
+def _smallest_kv_pool_tokens(pool: list[Candidate]) -> int:
+    return min((c.load.total_blocks * c.load.tokens_per_block for c in pool), default=0)
+
+
 @dataclass
 class Member:
     """One registered instance."""
@@ -79,6 +83,8 @@ class Fleet:
         self._generation_pool: list[Candidate] = []
         self._prefill_pool: list[Candidate] = []
         self._unhealthy = {id(self._generation_pool): 0, id(self._prefill_pool): 0}
+        # The smallest KV pool in tokens of each pool's candidates (Pools.*_holds_tokens).
+        self._holds_tokens = {id(self._generation_pool): 0, id(self._prefill_pool): 0}
         self._stale: list[Member] = []
         self._pools_valid = False
 
@@ -194,6 +200,7 @@ class Fleet:
         stale, self._stale = self._stale, []
         if self._pools_valid:
             unhealthy = self._unhealthy
+            resized: set[int] = set()
             for member in stale:
                 candidate = member.candidate or self._refresh(member)
                 pool = member.pool
@@ -204,17 +211,24 @@ class Fleet:
                 old = pool[member.pool_index]
                 if old.health is not candidate.health:
                     unhealthy[id(pool)] += 1 if old.health is InstanceHealth.HEALTHY else -1
+                if (old.load.total_blocks, old.load.tokens_per_block) != (candidate.load.total_blocks, candidate.load.tokens_per_block):
+                    resized.add(id(pool))  # a KV pool of another size (a restart): its smallest again
                 pool[member.pool_index] = candidate
+            for pool in (self._generation_pool, self._prefill_pool):
+                if id(pool) in resized:
+                    self._holds_tokens[id(pool)] = _smallest_kv_pool_tokens(pool)
         if not self._pools_valid:
             self._rebuild_pools()
         generation, prefill = self._generation_pool, self._prefill_pool
-        unhealthy = self._unhealthy
+        unhealthy, holds = self._unhealthy, self._holds_tokens
         return Pools(
             # The pool itself when all are healthy (the common case): no pass over it.
             generation if not unhealthy[id(generation)] else [c for c in generation if c.health is InstanceHealth.HEALTHY],
             prefill if not unhealthy[id(prefill)] else [c for c in prefill if c.health is InstanceHealth.HEALTHY],
             len(generation),
             len(prefill),
+            holds[id(generation)],
+            holds[id(prefill)],
         )
 
     def _rebuild_pools(self) -> None:
@@ -229,6 +243,7 @@ class Fleet:
             pool.append(candidate)
             counts[id(pool)] += candidate.health is not InstanceHealth.HEALTHY
         self._unhealthy = counts
+        self._holds_tokens = {id(generation): _smallest_kv_pool_tokens(generation), id(prefill): _smallest_kv_pool_tokens(prefill)}
         self._stale.clear()
         self._pools_valid = True
 

@@ -494,6 +494,10 @@ class Pools:
     healthy_prefill: Sequence[Candidate]
     registered_generation: int
     registered_prefill: int
+    # Tokens that every candidate of the pool's KV pool can hold (a lower bound; 0: not known): a
+    # request within it skips the pass of _able_to_hold over the pool.
+    generation_holds_tokens: int = 0
+    prefill_holds_tokens: int = 0
 
 
 class Placer:
@@ -526,14 +530,16 @@ class Placer:
         # every instance per request.
         generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
         healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
-        return self._choose_healthy_generation(request, healthy_generation, len(generation_pool), overlap_blocks)
+        return self._choose_healthy_generation(request, healthy_generation, len(generation_pool), 0, overlap_blocks)
 
     def _choose_healthy_generation(
-        self, request: PlacementRequest, healthy: Sequence[Candidate], registered: int, overlap_blocks: Mapping[str, int]
+        self, request: PlacementRequest, healthy: Sequence[Candidate], registered: int, holds_tokens: int,
+        overlap_blocks: Mapping[str, int],
     ) -> tuple[Placement, Sequence[Candidate]]:
         if not healthy:
             raise NoInstanceAvailable("generation", f"{registered} GENERATION/MIXED instance(s) registered, none healthy")
-        eligible = _able_to_hold(healthy, request.prompt_tokens + request.expected_decode_tokens)
+        tokens = request.prompt_tokens + request.expected_decode_tokens
+        eligible = healthy if tokens <= holds_tokens else _able_to_hold(healthy, tokens)
         return self._generation_policy.choose_eligible(request, eligible, overlap_blocks), healthy
 
     def place(
@@ -572,7 +578,7 @@ class Placer:
 
     def _place(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
         generation, healthy_generation = self._choose_healthy_generation(
-            request, pools.healthy_generation, pools.registered_generation, overlap_blocks
+            request, pools.healthy_generation, pools.registered_generation, pools.generation_holds_tokens, overlap_blocks
         )
         # The chosen one's snapshot, found by bisection: the pool is in instance-id order.
         index = bisect.bisect_left(healthy_generation, generation.instance_id, key=_instance_id)
@@ -586,7 +592,8 @@ class Placer:
         healthy_prefill = pools.healthy_prefill
         if healthy_prefill:
             # A prefill hop holds the prompt and its first token (worker/engine_types.py hop_max_new_tokens).
-            eligible = _able_to_hold(healthy_prefill, request.prompt_tokens + 1)
+            tokens = request.prompt_tokens + 1
+            eligible = healthy_prefill if tokens <= pools.prefill_holds_tokens else _able_to_hold(healthy_prefill, tokens)
             context = self._prefill_policy.choose_eligible(request, eligible, overlap_blocks)
             return PlacementPlan(request.request_id, Route.DISAGGREGATED, context, generation, decision)
 

@@ -2,7 +2,8 @@
 with the candidates of the members whose load or health changed, they must give every decision
 exactly what placing over all the candidates afresh gives (Placer.place), whatever happened in
 between: load reports, degraded and dead instances, revivals, a restart under another role, a new
-registration, instances whose pools cannot hold a long request, and no healthy prefill instance."""
+registration, instances whose KV pools cannot hold a long request (and pools that change size), and
+no healthy prefill instance."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def _history(seed: int, outcomes: dict[str, int]) -> None:
         elif op < 0.84:  # restarted under another role as the driver takes it up (Router._on_batch): same member, new info
             if not member.dead:
                 fleet.mark_dead(member, "restarted")
-            member.info = _info(member.instance_id, rng.choice(ROLES), member.info.num_blocks, f"inc{step}")
+            # ... and at times a KV pool of another size
+            member.info = _info(member.instance_id, rng.choice(ROLES), rng.choice([8, 64]), f"inc{step}")
             fleet.revive(member)
             fleet.answered(member, now)
         elif op < 0.86:  # a new instance joins
