@@ -8,7 +8,10 @@ comes back HEALTHY; a new incarnation means a new process whose predecessor's st
 Client errors never count against an instance's health: only failed or late polls do.
 
 Placement reads one snapshot per instance; snapshots are rebuilt when a load report or a health
-change arrives, not per decision.
+change arrives, not per decision. The candidates are kept in two pools (GENERATION/MIXED and
+PREFILL, in instance-id order) across decisions: a decision patches in those of the members whose
+load or health changed since the last one (`invalidate`) rather than partitioning every instance,
+so whoever changes a member's load or health outside this class's methods calls `invalidate`.
 """
 
 from __future__ import annotations
