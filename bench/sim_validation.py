@@ -38,7 +38,9 @@ with those instead of running anything real, so that a change to the simulator o
 (`--profile`) is judged against the same real runs, in seconds (the real runs of one full
 validation take about 8 minutes and vary from run to run). `--keep-steps DIR` keeps the step logs
 behind `<case>_real_step_speed` (each real run's, and with --measure the calibration's the profile
-was fitted to), to find out which steps a profile misses and why.
+was fitted to), to find out which steps a profile misses and why, and prints how each set of kept
+steps ran against its cluster's profile: all of them, and by kind (context or decode-only steps,
+started alone or contended).
 
     python bench/sim_validation.py [--quick] [--requests N] [--profile P | --measure] [--out DIR] [--keep-steps DIR]
     python bench/sim_validation.py --replay DIR/real_runs.json [--profile P]
@@ -71,7 +73,7 @@ from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_worklo
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
-from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed, step_speed  # noqa: E402
+from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed, step_speed, step_speeds_by_kind  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
 from cluster.sim.profile import ProfileError, StepProfile  # noqa: E402
 
@@ -152,6 +154,24 @@ def real_runs(
         results[name] = runs
         speeds[name] = run_speeds
     return results, speeds
+
+
+def kept_steps_report(keep_steps: Path, profiles: dict[str, StepProfile]) -> list[list]:
+    """Per cluster, for its calibration's steps (with --measure) and each real run's as kept: how they
+    ran against the cluster's profile, all and by kind (cluster/sim/deployed.py step_speeds_by_kind;
+    "-" for a kind with no steps)."""
+    rows = []
+    for topology, profile in profiles.items():
+        kept = keep_steps / topology
+        runs = [("calibration", kept / "calibration" / "steps")] if (kept / "calibration" / "steps").is_dir() else []
+        runs += [(path.name, path) for path in sorted(kept.iterdir()) if path.is_dir() and path.name != "calibration"] if kept.is_dir() else []
+        for name, path in runs:
+            speeds = step_speeds_by_kind(path, profile)
+            rows.append([topology, name] + [
+                "-" if speeds[kind][1] is None else f"{speeds[kind][1]:.3f} ({speeds[kind][0]})"
+                for kind in ("all", "context", "decode_only", "alone", "contended")
+            ])
+    return rows
 
 
 # The step model's time coefficients (StepProfile.step_s), which a host's speed scales.
@@ -306,10 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     floors: list[float] = []  # per metric, the error a perfect simulator would show (noise_floor)
     speed_matched_errors: list[float] = []
     speed_rows: list[list] = []
+    used: dict[str, StepProfile] = {}  # each cluster's profile, for the kept steps' report
     cases_within = metrics_within = metrics_total = 0
     for topology in topologies:
         profile = profile_for(topology)
         profiles[topology] = profile.name
+        used[topology] = profile
         settings = SimSettings(profile, data_plane("grpc-loopback"), sampling=SamplingSpec(timeout_s=None))
         if stored is not None:  # the rates the real runs ran at, whatever profile simulates them now
             rates, real = stored.rates[topology], stored.real[topology]
@@ -375,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     if speed_rows:
         print_table(["case", "real steps / profile", "median error", "median error, steps at the real speed"],
                     [["-" if c is None else c for c in row] for row in speed_rows])
+    if args.keep_steps is not None:
+        print_table(["cluster", "kept steps", "all (steps)", "context", "decode only", "alone", "contended"],
+                    kept_steps_report(args.keep_steps, used))
     targets = {"median_rel_error": Target(figures["median_rel_error"] or 1.0, MIN_BOUND, higher_is_better=False)}
     emit_result(BENCH, figures, targets)
     return 0

@@ -440,7 +440,27 @@ def step_speed(steps_dir: Path, profile: StepProfile) -> float | None:
     steps = _logged_steps(steps_dir)
     if not steps:
         return None
-    return statistics.fmean(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) for step in steps)
+    return statistics.fmean(_speed(step, profile) for step in steps)
+
+
+def step_speeds_by_kind(steps_dir: Path, profile: StepProfile) -> dict[str, tuple[int, float | None]]:
+    """`step_speed` of all the logged steps and of each kind: those that run context and the
+    decode-only ones, those that started alone and those that started while another instance was
+    mid-step. Each: (steps, their mean measured over modelled time; None when there are none).
+    Where a profile misses, whether it misses one kind (its shapes, or its contention) or all alike
+    (the host's level)."""
+    kinds: dict[str, list[float]] = {"all": [], "context": [], "decode_only": [], "alone": [], "contended": []}
+    for step in _logged_steps(steps_dir):
+        speed = _speed(step, profile)
+        kinds["all"].append(speed)
+        kinds["context" if step.sample.context_tokens else "decode_only"].append(speed)
+        kinds["contended" if step.busy else "alone"].append(speed)
+    return {kind: (len(speeds), statistics.fmean(speeds) if speeds else None) for kind, speeds in kinds.items()}
+
+
+def _speed(step: _Step, profile: StepProfile) -> float:
+    """A logged step's time over the profile's model of it, contention included."""
+    return step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy))
 
 
 def keep_calibration(source: Path, keep_dir: Path) -> None:
@@ -461,7 +481,7 @@ def _spread(steps: list[_Step], profile: StepProfile, points: int = SPREAD_POINT
     """Measured / modelled time of each step (contention included), at the quantiles (i + 0.5) /
     points, scaled so that their mean is 1 (the fit meets the mean step; the spread is only how
     steps scatter around it)."""
-    ratios = sorted(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) for step in steps)
+    ratios = sorted(_speed(step, profile) for step in steps)
     picked = [ratios[min(len(ratios) - 1, int((i + 0.5) / points * len(ratios)))] for i in range(points)]
     mean = sum(picked) / len(picked)
     return [round(r / mean, 4) for r in picked]

@@ -403,6 +403,11 @@ def test_step_speed_is_the_logged_steps_time_over_the_profile_s_model(tmp_path: 
     (steps_dir / "mixed-1.jsonl").write_text(json.dumps({"t": now + 1.0, "ctx": 0, "pairs": 0, "seqs": 1, "dctx": 1, "s": now, "loop_s": now}) + "\n")
     lone = now / profile.step_s(0, 0, 1, 1)
     assert deployed.step_speed(steps_dir, profile) == pytest.approx((4 * 1.5 + lone) / 5)
+    # By kind: the four context steps started contended, the decode-only one alone.
+    kinds = deployed.step_speeds_by_kind(steps_dir, profile)
+    assert kinds["all"] == (5, pytest.approx((4 * 1.5 + lone) / 5))
+    assert kinds["context"] == kinds["contended"] == (4, pytest.approx(1.5))
+    assert kinds["decode_only"] == kinds["alone"] == (1, pytest.approx(lone))
 
 
 def test_a_kept_calibration_has_its_step_logs_and_timelines(tmp_path) -> None:
