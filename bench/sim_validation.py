@@ -163,8 +163,11 @@ def kept_steps_report(keep_steps: Path, profiles: dict[str, StepProfile]) -> lis
     rows = []
     for topology, profile in profiles.items():
         kept = keep_steps / topology
-        runs = [("calibration", kept / "calibration" / "steps")] if (kept / "calibration" / "steps").is_dir() else []
-        runs += [(path.name, path) for path in sorted(kept.iterdir()) if path.is_dir() and path.name != "calibration"] if kept.is_dir() else []
+        if not kept.is_dir():
+            continue
+        runs = [(path.name, path) for path in sorted(kept.iterdir()) if path.is_dir() and path.name != "calibration"]
+        if (kept / "calibration" / "steps").is_dir():
+            runs.insert(0, ("calibration", kept / "calibration" / "steps"))
         for name, path in runs:
             speeds = step_speeds_by_kind(path, profile)
             rows.append([topology, name] + [

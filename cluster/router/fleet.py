@@ -36,8 +36,23 @@ logger = logging.getLogger(__name__)
 FAILED_POLLS_CONFIRM = 2
 
 
-def _smallest_kv_pool_tokens(pool: list[Candidate]) -> int:
-    return min((c.load.total_blocks * c.load.tokens_per_block for c in pool), default=0)
+class _Pool:
+    """One of placement's two pools as the fleet keeps it: its candidates in instance-id order, how
+    many of them are not HEALTHY, and the smallest KV pool among them in tokens (Pools.*_holds_tokens)."""
+
+    def __init__(self) -> None:
+        self.candidates: list[Candidate] = []
+        self.unhealthy = 0
+        self.holds_tokens = 0
+
+    def rebuild_holds_tokens(self) -> None:
+        self.holds_tokens = min((c.load.total_blocks * c.load.tokens_per_block for c in self.candidates), default=0)
+
+    def healthy(self) -> list[Candidate]:
+        """The HEALTHY candidates: the list itself when all are (the common case), without a pass."""
+        if not self.unhealthy:
+            return self.candidates
+        return [c for c in self.candidates if c.health is InstanceHealth.HEALTHY]
 
 
 @dataclass
@@ -56,7 +71,7 @@ class Member:
     attempts: set[str] = field(default_factory=set)  # engine ids of hops believed live there
     candidate: Candidate | None = None  # what placement reads of it; None: rebuild (load or health changed)
     # Where its candidate sits in the fleet's pools (Fleet._pools): which pool, and its index there.
-    pool: list[Candidate] | None = None
+    pool: _Pool | None = None
     pool_index: int = -1
     # Hops to abort when it answers again: those it held when it was declared dead, those whose
     # stop could not reach it, and those whose submit did not answer (it may have landed).
@@ -83,11 +98,8 @@ class Fleet:
         # kept across decisions: a decision patches in the candidates of the members whose load or
         # health changed since the last one (`_stale`; a handful, where a pass over 256 instances
         # was half of what a decision cost), and rebuilds them when membership or a role changes.
-        self._generation_pool: list[Candidate] = []
-        self._prefill_pool: list[Candidate] = []
-        self._unhealthy = {id(self._generation_pool): 0, id(self._prefill_pool): 0}
-        # The smallest KV pool in tokens of each pool's candidates (Pools.*_holds_tokens).
-        self._holds_tokens = {id(self._generation_pool): 0, id(self._prefill_pool): 0}
+        self._generation_pool = _Pool()
+        self._prefill_pool = _Pool()
         self._stale: list[Member] = []
         self._pools_valid = False
 
@@ -202,51 +214,41 @@ class Fleet:
         gives, split by role, and the healthy ones of each)."""
         stale, self._stale = self._stale, []
         if self._pools_valid:
-            unhealthy = self._unhealthy
-            resized: set[int] = set()
+            resized: list[_Pool] = []
             for member in stale:
                 candidate = member.candidate or self._refresh(member)
                 pool = member.pool
-                role = candidate.load.role
-                if pool is None or (pool is self._prefill_pool) is not (role is InstanceRole.PREFILL):
-                    self._pools_valid = False  # a role changed (a restart under another role): rebuild
+                if pool is not (self._prefill_pool if candidate.load.role is InstanceRole.PREFILL else self._generation_pool):
+                    # A role changed (a restart under another role), or a member no longer registered
+                    # (replaced under its id; its pool is an earlier one): rebuild.
+                    self._pools_valid = False
                     break
-                old = pool[member.pool_index]
+                old = pool.candidates[member.pool_index]
                 if old.health is not candidate.health:
-                    unhealthy[id(pool)] += 1 if old.health is InstanceHealth.HEALTHY else -1
+                    pool.unhealthy += 1 if old.health is InstanceHealth.HEALTHY else -1
                 if (old.load.total_blocks, old.load.tokens_per_block) != (candidate.load.total_blocks, candidate.load.tokens_per_block):
-                    resized.add(id(pool))  # a KV pool of another size (a restart): its smallest again
-                pool[member.pool_index] = candidate
-            for pool in (self._generation_pool, self._prefill_pool):
-                if id(pool) in resized:
-                    self._holds_tokens[id(pool)] = _smallest_kv_pool_tokens(pool)
+                    resized.append(pool)  # a KV pool of another size (a restart): its smallest again
+                pool.candidates[member.pool_index] = candidate
+            for pool in set(resized):
+                pool.rebuild_holds_tokens()
         if not self._pools_valid:
             self._rebuild_pools()
         generation, prefill = self._generation_pool, self._prefill_pool
-        unhealthy, holds = self._unhealthy, self._holds_tokens
         return Pools(
-            # The pool itself when all are healthy (the common case): no pass over it.
-            generation if not unhealthy[id(generation)] else [c for c in generation if c.health is InstanceHealth.HEALTHY],
-            prefill if not unhealthy[id(prefill)] else [c for c in prefill if c.health is InstanceHealth.HEALTHY],
-            len(generation),
-            len(prefill),
-            holds[id(generation)],
-            holds[id(prefill)],
+            generation.healthy(), prefill.healthy(), len(generation.candidates), len(prefill.candidates),
+            generation.holds_tokens, prefill.holds_tokens,
         )
 
     def _rebuild_pools(self) -> None:
-        generation, prefill = self._generation_pool, self._prefill_pool
-        generation.clear()
-        prefill.clear()
-        counts = {id(generation): 0, id(prefill): 0}
+        self._generation_pool, self._prefill_pool = _Pool(), _Pool()
         for member in self._in_id_order:
             candidate = member.candidate or self._refresh(member)
-            pool = prefill if candidate.load.role is InstanceRole.PREFILL else generation
-            member.pool, member.pool_index = pool, len(pool)
-            pool.append(candidate)
-            counts[id(pool)] += candidate.health is not InstanceHealth.HEALTHY
-        self._unhealthy = counts
-        self._holds_tokens = {id(generation): _smallest_kv_pool_tokens(generation), id(prefill): _smallest_kv_pool_tokens(prefill)}
+            pool = self._prefill_pool if candidate.load.role is InstanceRole.PREFILL else self._generation_pool
+            member.pool, member.pool_index = pool, len(pool.candidates)
+            pool.candidates.append(candidate)
+            pool.unhealthy += candidate.health is not InstanceHealth.HEALTHY
+        self._generation_pool.rebuild_holds_tokens()
+        self._prefill_pool.rebuild_holds_tokens()
         self._stale.clear()
         self._pools_valid = True
 

@@ -469,11 +469,14 @@ class PlacementPlan:
         return self.context.fallback
 
 
-def _able_to_hold(candidates: list[Candidate], tokens: int) -> list[Candidate]:
+def _able_to_hold(candidates: Sequence[Candidate], tokens: int, holds_tokens: int = 0) -> Sequence[Candidate]:
     """The candidates whose whole KV pool can hold a sequence of `tokens` (an instance refuses a
     request it never could, worker/engine_types.py kv_pool_refusal), so that with pools of different
     sizes a long request goes where it fits instead of being refused by the least loaded instance;
-    all of them when none can (the chosen one then refuses it, naming its pool's size)."""
+    all of them when none can (the chosen one then refuses it, naming its pool's size), and without
+    a pass over them when `tokens` is within `holds_tokens`, what every one of them holds (Pools)."""
+    if tokens <= holds_tokens:
+        return candidates
     able = [c for c in candidates if c.load.total_blocks * c.load.tokens_per_block >= tokens]
     return able if able and len(able) < len(candidates) else candidates
 
@@ -500,6 +503,20 @@ class Pools:
     prefill_holds_tokens: int = 0
 
 
+def _pools_of(ordered: Sequence[Candidate]) -> Pools:
+    """The pools of candidates in instance-id order, partitioned afresh (one decision's worth)."""
+    # Roles by identity, not `in GENERATION_ROLES`: an Enum hashes in Python, and this runs over
+    # every instance per decision.
+    generation = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
+    prefill = [c for c in ordered if c.load.role is _PREFILL]
+    return Pools(
+        [c for c in generation if c.health is InstanceHealth.HEALTHY],
+        [c for c in prefill if c.health is InstanceHealth.HEALTHY],
+        len(generation),
+        len(prefill),
+    )
+
+
 class Placer:
     """Places both hops of a request with the configured policies (round robin keeps its cursor here,
     so keep one Placer per router)."""
@@ -521,26 +538,15 @@ class Placer:
         """The generation hop alone (a hand-over's target, a local recompute): no prefill needed.
         `in_id_order`: as for `place`."""
         _check_overlap(overlap_blocks)
-        return self._choose_generation(request, candidates if in_id_order else _in_id_order(candidates), overlap_blocks)[0]
+        pools = _pools_of(candidates if in_id_order else _in_id_order(candidates))
+        return self._choose_generation(request, pools, overlap_blocks)
 
-    def _choose_generation(
-        self, request: PlacementRequest, ordered: Sequence[Candidate], overlap_blocks: Mapping[str, int]
-    ) -> tuple[Placement, Sequence[Candidate]]:
-        # Roles by identity, not `in GENERATION_ROLES`: an Enum hashes in Python, and this runs over
-        # every instance per request.
-        generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
-        healthy_generation = [c for c in generation_pool if c.health is InstanceHealth.HEALTHY]
-        return self._choose_healthy_generation(request, healthy_generation, len(generation_pool), 0, overlap_blocks)
-
-    def _choose_healthy_generation(
-        self, request: PlacementRequest, healthy: Sequence[Candidate], registered: int, holds_tokens: int,
-        overlap_blocks: Mapping[str, int],
-    ) -> tuple[Placement, Sequence[Candidate]]:
+    def _choose_generation(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> Placement:
+        healthy = pools.healthy_generation
         if not healthy:
-            raise NoInstanceAvailable("generation", f"{registered} GENERATION/MIXED instance(s) registered, none healthy")
-        tokens = request.prompt_tokens + request.expected_decode_tokens
-        eligible = healthy if tokens <= holds_tokens else _able_to_hold(healthy, tokens)
-        return self._generation_policy.choose_eligible(request, eligible, overlap_blocks), healthy
+            raise NoInstanceAvailable("generation", f"{pools.registered_generation} GENERATION/MIXED instance(s) registered, none healthy")
+        eligible = _able_to_hold(healthy, request.prompt_tokens + request.expected_decode_tokens, pools.generation_holds_tokens)
+        return self._generation_policy.choose_eligible(request, eligible, overlap_blocks)
 
     def place(
         self,
@@ -554,20 +560,9 @@ class Placer:
         instance once, in instance-id order (the fleet keeps its members so), and they are not
         checked again (a pass over every instance per request)."""
         # Checked and ordered once for both hops; the policies take the healthy ones from here.
-        ordered = candidates if in_id_order else _in_id_order(candidates)
+        pools = _pools_of(candidates if in_id_order else _in_id_order(candidates))
         _check_overlap(overlap_blocks)
-        generation_pool = [c for c in ordered if (role := c.load.role) is _GENERATION or role is _MIXED]
-        prefill_pool = [c for c in ordered if c.load.role is _PREFILL]
-        return self._place(
-            request,
-            Pools(
-                [c for c in generation_pool if c.health is InstanceHealth.HEALTHY],
-                [c for c in prefill_pool if c.health is InstanceHealth.HEALTHY],
-                len(generation_pool),
-                len(prefill_pool),
-            ),
-            overlap_blocks,
-        )
+        return self._place(request, pools, overlap_blocks)
 
     def place_pools(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
         """Both hops, from pools the caller keeps (the fleet patches them as reports arrive rather
@@ -577,10 +572,9 @@ class Placer:
         return self._place(request, pools, overlap_blocks)
 
     def _place(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
-        generation, healthy_generation = self._choose_healthy_generation(
-            request, pools.healthy_generation, pools.registered_generation, pools.generation_holds_tokens, overlap_blocks
-        )
+        generation = self._choose_generation(request, pools, overlap_blocks)
         # The chosen one's snapshot, found by bisection: the pool is in instance-id order.
+        healthy_generation = pools.healthy_generation
         index = bisect.bisect_left(healthy_generation, generation.instance_id, key=_instance_id)
         generation_snapshot = healthy_generation[index].snapshot
         decision = self._disagg.decide(
@@ -592,8 +586,7 @@ class Placer:
         healthy_prefill = pools.healthy_prefill
         if healthy_prefill:
             # A prefill hop holds the prompt and its first token (worker/engine_types.py hop_max_new_tokens).
-            tokens = request.prompt_tokens + 1
-            eligible = healthy_prefill if tokens <= pools.prefill_holds_tokens else _able_to_hold(healthy_prefill, tokens)
+            eligible = _able_to_hold(healthy_prefill, request.prompt_tokens + 1, pools.prefill_holds_tokens)
             context = self._prefill_policy.choose_eligible(request, eligible, overlap_blocks)
             return PlacementPlan(request.request_id, Route.DISAGGREGATED, context, generation, decision)
 
