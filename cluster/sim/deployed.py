@@ -17,7 +17,10 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    bench/sim_validation.py compares): a first pass of fixed shapes at fixed concurrency, from one
    request alone to a full decode batch (FIRST_PASS), fitted only to estimate the cluster's
    capacity; then loaded passes of Poisson arrivals at 70 % of that estimate (SECOND_PASS),
-   repeated while the estimate moves (SETTLED, MAX_LOADED_PASSES).
+   repeated while the estimate moves (SETTLED, MAX_LOADED_PASSES), each pass with prompts of its
+   own. One loaded point shares prefixes among its prompts, so that the engine reuses their cached
+   KV and runs short chunks that attend long caches: the steps that tell the cost per attended pair
+   from the cost per token.
 3. It fits the step model to the loaded passes' steps (worker/profiler.py `fit(mean=True)`: the
    mean step of each shape, slow steps included, since a queue waits for those too) together with
    how much the instances slow each other (`contention`: the steps' time over the model's, against
@@ -79,13 +82,31 @@ HANDOVER_PLANE = "grpc-loopback"  # the link model whose time the hand-over's co
 @dataclass(frozen=True)
 class CalibrationPoint:
     """`num_requests` fixed-shape requests: `concurrency` at once (the first pass), or Poisson
-    arrivals at `load` x the cluster's capacity as the first pass's fit estimates it (the second)."""
+    arrivals at `load` x the cluster's capacity as the first pass's fit estimates it (the second).
+    With `shared_prefix_tokens`, the first that many of each prompt's `prompt_tokens` are a prefix
+    shared by groups of SUFFIXES_PER_PREFIX requests (sent shuffled): after a group's first request
+    the engine reuses the prefix's cached KV and runs only the rest, a short context chunk that
+    attends a long cache."""
 
     prompt_tokens: int
     output_tokens: int
     num_requests: int
     concurrency: int | None = None
     load: float | None = None
+    shared_prefix_tokens: int = 0
+
+    @property
+    def computed_prompt_tokens(self) -> float:
+        """The prompt tokens the engine runs per request on average: a shared prefix once per group."""
+        return self.prompt_tokens - self.shared_prefix_tokens * (1 - 1 / SUFFIXES_PER_PREFIX)
+
+    def workload(self) -> WorkloadConfig:
+        if not self.shared_prefix_tokens:
+            return WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=self.num_requests,
+                                  input_len=self.prompt_tokens, output_len=self.output_tokens)
+        return WorkloadConfig(kind=WorkloadKind.SHARED_PREFIX, num_prefixes=max(1, self.num_requests // SUFFIXES_PER_PREFIX),
+                              suffixes_per_prefix=SUFFIXES_PER_PREFIX, prefix_len=self.shared_prefix_tokens,
+                              input_len=self.prompt_tokens - self.shared_prefix_tokens, output_len=self.output_tokens)
 
 
 # First pass: every shape, from one request alone to a full decode batch; fitted only to aim the
@@ -106,7 +127,13 @@ SECOND_PASS = (
     CalibrationPoint(192, 24, 48, load=0.7),
     CalibrationPoint(96, 48, 48, load=0.7),
     CalibrationPoint(704, 12, 48, load=0.7),  # decode at long contexts (what a step pays per context token)
+    # Prefix reuse: 64-token chunks attending 448 cached tokens. Without steps whose attended pairs
+    # are many per token, the fit cannot tell the per-pair cost from the per-token one (in the
+    # other shapes the two grow together): it put the pairs' cost on the tokens, and a prefix hit's
+    # short chunk on a long cache then ran 1.3-1.9x the model (the validation's shared-prefix case).
+    CalibrationPoint(512, 12, 48, load=0.7, shared_prefix_tokens=448),
 )
+SUFFIXES_PER_PREFIX = 8  # requests per shared prefix in a CalibrationPoint with shared_prefix_tokens
 # The loaded pass is repeated, each at 70 % of the capacity its predecessor's fit estimates, until
 # the estimate moves by less than SETTLED (at most MAX_LOADED_PASSES), so that the load the profile
 # is measured at approaches the load it predicts for rather than the first pass's guess of it; the
@@ -515,7 +542,7 @@ def measure_deployed(
     def capacity_of(profile: StepProfile, point: CalibrationPoint) -> float:
         return cluster_rps(
             profile, engine, num_prefill=counts[InstanceRole.PREFILL], num_generation=counts[InstanceRole.GENERATION],
-            num_mixed=counts[InstanceRole.MIXED], mean_prompt_tokens=point.prompt_tokens, mean_output_tokens=point.output_tokens,
+            num_mixed=counts[InstanceRole.MIXED], mean_prompt_tokens=point.computed_prompt_tokens, mean_output_tokens=point.output_tokens,
         )
 
     with tempfile.TemporaryDirectory(prefix="duet-profile-") as tmp:
@@ -527,28 +554,31 @@ def measure_deployed(
         progress("deploying the cluster ...")
         with BackgroundCluster(deployed) as cluster:
 
-            async def serve(points: tuple[CalibrationPoint, ...], provisional: StepProfile | None, tag: str) -> None:
+            async def serve(points: tuple[CalibrationPoint, ...], provisional: StepProfile | None, tag: str, seed: int) -> None:
                 client = AsyncDuetClient(cluster.target)
                 try:
                     if provisional is None:  # first calls: channels, allocator, caches
                         await LoadRunner(client).warmup(build_workload(WorkloadConfig(num_requests=4, input_len=64, output_len=4), 99))
                     for index, point in enumerate(points):
-                        workload = WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=point.num_requests,
-                                                  input_len=point.prompt_tokens, output_len=point.output_tokens)
+                        workload = point.workload()
                         if point.concurrency is not None:
                             arrivals: Any = FixedConcurrency(point.concurrency)
                         else:
                             assert provisional is not None and point.load is not None
                             arrivals = PoissonArrivals(point.load * capacity_of(provisional, point))
-                        progress(f"{tag} {index + 1}/{len(points)}: {point.prompt_tokens} prompt / {point.output_tokens} output tokens, {arrivals.label}")
+                        shared = f" ({point.shared_prefix_tokens} a shared prefix)" if point.shared_prefix_tokens else ""
+                        progress(f"{tag} {index + 1}/{len(points)}: {point.prompt_tokens} prompt{shared} / {point.output_tokens} output tokens, {arrivals.label}")
                         clock = _WallClock()
-                        outcome = await LoadRunner(client, SamplingSpec(), clock=clock).run(build_workload(workload, index), arrivals, seed=index)
+                        # Each pass its own prompts: a repeated one would hit the prefix cache the
+                        # previous pass left, a shape the pass does not mean to measure.
+                        outcome = await LoadRunner(client, SamplingSpec(), clock=clock).run(
+                            build_workload(workload, seed + index), arrivals, seed=seed + index)
                         assert clock.first is not None
                         runs.append(_PointRun(point, clock.first, time.time(), outcome.records))
                 finally:
                     await client.close()
 
-            asyncio.run(serve(first_pass, None, "first pass"))
+            asyncio.run(serve(first_pass, None, "first pass", 0))
             info = cluster.run(RayInstanceClient(*next(iter(cluster.deployment.actors.items()))).get_info())
             layout = info.layout
             kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
@@ -571,7 +601,7 @@ def measure_deployed(
             second_s = time.time()
             for number in range(1 if quick else MAX_LOADED_PASSES):
                 pass_s = time.time()
-                asyncio.run(serve(second_pass, provisional, f"loaded pass {number + 1}"))
+                asyncio.run(serve(second_pass, provisional, f"loaded pass {number + 1}", 100 * (number + 1)))
                 steps = _logged_steps(steps_dir, since_s=pass_s)
                 if len(steps) < 8:
                     raise RuntimeError(f"the deployment logged {len(steps)} steps in a loaded pass; too few to fit")

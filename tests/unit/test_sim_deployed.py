@@ -426,3 +426,34 @@ def test_a_kept_calibration_has_its_step_logs_and_timelines(tmp_path) -> None:
     assert sorted(p.name for p in (kept / "steps").iterdir()) == ["generation-0.jsonl", "prefill-0.jsonl"]
     assert [sample.context_tokens for _, sample in read_step_log(kept / "steps" / "prefill-0.jsonl")] == [64]
     assert (kept / "timelines.jsonl").read_text() == '{"request_id": "r-1"}\n'
+
+
+def test_the_calibration_s_shared_prefix_point_sends_short_chunks_on_a_long_cached_prefix() -> None:
+    # The loaded pass's prefix-reuse point: its prompts come in groups that share their first
+    # shared_prefix_tokens, so that after a group's first request the engine runs only the rest, a
+    # step with many attended pairs per token (what separates the per-pair cost from the per-token one).
+    from cluster.sim.deployed import SECOND_PASS, SUFFIXES_PER_PREFIX, CalibrationPoint
+
+    shared = [point for point in SECOND_PASS if point.shared_prefix_tokens]
+    assert shared, "the loaded pass measures no prefix hit"
+    for point in shared + [CalibrationPoint(96, 4, 16, load=0.7, shared_prefix_tokens=80)]:
+        requests = build_workload(point.workload(), 3)
+        assert len(requests) == point.num_requests
+        assert all(len(r.prompt) == point.prompt_tokens and r.max_tokens == point.output_tokens for r in requests)
+        groups: dict[int, list] = {}
+        for request in requests:
+            groups.setdefault(request.group, []).append(request.prompt)
+        assert len(groups) == point.num_requests // SUFFIXES_PER_PREFIX
+        prefixes = set()
+        for prompts in groups.values():
+            assert len(prompts) == SUFFIXES_PER_PREFIX
+            assert len({p[: point.shared_prefix_tokens] for p in prompts}) == 1  # one prefix per group
+            assert len({p[point.shared_prefix_tokens:] for p in prompts}) == len(prompts)  # its own suffix each
+            prefixes.add(prompts[0][: point.shared_prefix_tokens])
+        assert len(prefixes) == len(groups)
+        # What the engine runs per request on average, which the pass's load is aimed with.
+        per_group = point.shared_prefix_tokens + SUFFIXES_PER_PREFIX * (point.prompt_tokens - point.shared_prefix_tokens)
+        assert point.computed_prompt_tokens == pytest.approx(per_group / SUFFIXES_PER_PREFIX)
+    plain = CalibrationPoint(384, 8, 48, load=0.7)
+    assert plain.computed_prompt_tokens == 384
+    assert all(len(r.prompt) == 384 for r in build_workload(plain.workload(), 0))
