@@ -179,7 +179,7 @@ def kept_steps_report(keep_steps: Path, profiles: dict[str, StepProfile]) -> lis
 
 # The step model's time coefficients (StepProfile.step_s), which a host's speed scales.
 STEP_TIMES = ("step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
-              "decode_s_per_context_token", "context_step_s")
+              "decode_s_per_context_token", "context_step_s", "prefill_s_per_cached_token")
 
 
 def speed_matched(profile: StepProfile, speed: float) -> StepProfile:

@@ -7,13 +7,16 @@ length. Each `Engine.step` is timed whole, so the fitted overhead holds the sche
 and the output bookkeeping as well as the forward pass's fixed cost. Experiments:
 
 - prefill: one request of N prompt tokens (N over `prefill_lengths`), one output token;
+- prefill on a cached prefix: a prompt of C tokens, then one of the same C and N more, whose context
+  chunk is the N (C, N over `cached_prefills`): what a chunk pays per token of the cache it attends;
 - decode: B requests of context L (B over `decode_batches`, L over `decode_contexts`), a few
   output tokens each, so most steps are pure decode;
 - hand-over control path: a one-block KV push to a receiver process on 127.0.0.1 (worker/kv_transfer/),
   median of several over a warm connection: Prepare, one chunk, Commit.
 
 The fit is relative least squares of step_s = overhead + a x context tokens + b x pairs + c x decode requests
-+ d x decode context tokens + e if the step runs any context, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
++ d x decode context tokens + e if the step runs any context + f x cached tokens the context chunks
+attend, with coefficients held at >= 0, trimmed of the worst-fitting steps (`fit`). The result is a plain dict in the profile format (the cluster side reads it; worker
 never imports cluster).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +46,7 @@ logger = logging.getLogger(__name__)
 PROFILE_FORMAT = "duet.step_profile.v1"  # cluster/sim/profile.py PROFILE_FORMAT
 COLUMNS = (
     "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence", "decode_s_per_context_token",
-    "context_step_s",
+    "context_step_s", "prefill_s_per_cached_token",
 )
 
 
@@ -53,14 +57,22 @@ class StepSample:
     decode_sequences: int
     decode_context_tokens: int
     step_s: float
+    # Tokens already in the cache that the step's context chunks attend (a chunk after the first of
+    # its prompt, or one after a reused prefix): each such chunk reads their K/V out of the paged
+    # cache, layer by layer (worker/attention.py). 0 in step logs written before it was recorded.
+    context_cached_tokens: int = 0
 
     def row(self) -> list[float]:
-        return [1.0, self.context_tokens, self.context_pairs, self.decode_sequences, self.decode_context_tokens, float(self.context_tokens > 0)]
+        return [
+            1.0, self.context_tokens, self.context_pairs, self.decode_sequences, self.decode_context_tokens,
+            float(self.context_tokens > 0), self.context_cached_tokens,
+        ]
 
 
 @dataclass(frozen=True)
 class ProfilePlan:
     prefill_lengths: tuple[int, ...] = (32, 64, 128, 256, 512, 1024)
+    cached_prefills: tuple[tuple[int, int], ...] = ((512, 32), (512, 256), (1024, 64), (256, 128))  # (cached, new) tokens
     decode_batches: tuple[int, ...] = (1, 4, 8, 16, 32)
     decode_contexts: tuple[int, ...] = (64, 256, 768)
     decode_tokens: int = 6
@@ -69,7 +81,7 @@ class ProfilePlan:
 
     @classmethod
     def quick(cls) -> ProfilePlan:
-        return cls((32, 128), (1, 4), (64,), 4, 1, 3)
+        return cls((32, 128), ((128, 32),), (1, 4), (64,), 4, 1, 3)
 
 
 class _BatchRecorder:
@@ -77,10 +89,10 @@ class _BatchRecorder:
 
     def __init__(self, model, kv_cache) -> None:
         self.inner = ModelRunner(model, kv_cache)
-        self.last: tuple[int, int, int, int] | None = None
+        self.last: tuple[int, int, int, int, int] | None = None  # StepSample's batch fields, in its order but step_s
 
     def forward(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
-        ctx = pairs = seqs = ctx_tokens = 0
+        ctx = pairs = seqs = ctx_tokens = cached = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
             if n == 1 and chunk.num_cached_tokens > 0 and chunk.want_logits:
@@ -89,14 +101,16 @@ class _BatchRecorder:
             else:
                 ctx += n
                 pairs += n * chunk.num_cached_tokens + n * (n + 1) // 2
-        self.last = (ctx, pairs, seqs, ctx_tokens)
+                cached += chunk.num_cached_tokens
+        self.last = (ctx, pairs, seqs, ctx_tokens, cached)
         return self.inner.forward(chunks)
 
 
 class StepLog:
     """A served instance's steps, one JSON line each (worker/instance.py, InstanceSpec.step_log):
     `{"t": wall-clock end, "ctx": context tokens, "pairs": attended pairs, "seqs": generation
-    requests, "dctx": their context tokens, "s": seconds of Engine.step, "loop_s": seconds from the
+    requests, "dctx": their context tokens, "cached": cached tokens the context chunks attend, "s":
+    seconds of Engine.step, "loop_s": seconds from the
     step's start until its outputs, load and pushes were handed on (the step as the loop runs it)}`. The instance passes
     `runner_factory` to its engine and calls `record` after each step; a step without a forward
     pass writes nothing."""
@@ -114,10 +128,10 @@ class StepLog:
         recorder = self.recorder
         if recorder is None or recorder.last is None:
             return
-        ctx, pairs, seqs, ctx_tokens = recorder.last
+        ctx, pairs, seqs, ctx_tokens, cached = recorder.last
         recorder.last = None
         self._lines.write({
-            "t": round(time.time(), 6), "ctx": ctx, "pairs": pairs, "seqs": seqs, "dctx": ctx_tokens,
+            "t": round(time.time(), 6), "ctx": ctx, "pairs": pairs, "seqs": seqs, "dctx": ctx_tokens, "cached": cached,
             "s": round(step_s, 7), "loop_s": round(loop_s, 7),
         })
 
@@ -133,7 +147,9 @@ def read_step_log(path: str | Path, seconds: str = "loop_s") -> list[tuple[float
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
-            steps.append((float(record["t"]), StepSample(record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record[seconds]))))
+            steps.append((float(record["t"]), StepSample(
+                record["ctx"], record["pairs"], record["seqs"], record["dctx"], float(record[seconds]), record.get("cached", 0),
+            )))
         except (ValueError, KeyError, TypeError):
             continue
     return steps
@@ -150,7 +166,7 @@ def _engine(model, tokenizer, recorder_box: list) -> Engine:
         recorder_box.append(recorder)
         return recorder
 
-    config = EngineConfig(num_blocks=4096, max_num_tokens=2048, chunk_unit_tokens=1024, max_batch_size=64, max_num_requests=64, enable_prefix_reuse=False)
+    config = EngineConfig(num_blocks=4096, max_num_tokens=2048, chunk_unit_tokens=1024, max_batch_size=64, max_num_requests=64)
     return Engine(model, tokenizer, config, runner_factory=factory)
 
 
@@ -164,7 +180,8 @@ def _run(engine: Engine, recorder: _BatchRecorder, prompts: list[list[int]], max
         engine.step()
         elapsed = time.perf_counter() - started
         if recorder.last is not None:
-            samples.append(StepSample(*recorder.last, elapsed))
+            ctx, pairs, seqs, ctx_tokens, cached = recorder.last
+            samples.append(StepSample(ctx, pairs, seqs, ctx_tokens, elapsed, cached))
 
 
 def measure_steps(model, tokenizer, plan: ProfilePlan, progress: Callable[[str], None] = lambda _m: None) -> list[StepSample]:
@@ -172,18 +189,30 @@ def measure_steps(model, tokenizer, plan: ProfilePlan, progress: Callable[[str],
     engine = _engine(model, tokenizer, box)
     recorder = box[0]
     vocab = min(int(tokenizer.vocab_size), 256)
+    rng = random.Random(0)
+
+    def prompt(length: int) -> list[int]:
+        # Drawn, so that no prompt meets another's blocks in the prefix cache (it is on: the cached
+        # prefills need it) unless it is meant to.
+        return [rng.randrange(1, vocab) for _ in range(length)]
+
     samples: list[StepSample] = []
     warm: list[StepSample] = []
-    _run(engine, recorder, [[(7 * i) % vocab + 1 for i in range(64)]] * 2, 4, "warm", warm)
+    _run(engine, recorder, [prompt(64), prompt(64)], 4, "warm", warm)
     for repeat in range(plan.repeats):
         for length in plan.prefill_lengths:
             progress(f"prefill {length} tokens (repeat {repeat + 1})")
-            _run(engine, recorder, [[(i * 31 + length) % vocab for i in range(length)]], 1, f"p{repeat}-{length}", samples)
+            _run(engine, recorder, [prompt(length)], 1, f"p{repeat}-{length}", samples)
+        for cached, new in plan.cached_prefills:
+            progress(f"prefill {new} tokens on {cached} cached (repeat {repeat + 1})")
+            prefix = prompt(cached)
+            # Into the cache, a block past it: a prompt's last block is not kept for reuse.
+            _run(engine, recorder, [prefix + prompt(engine.config.tokens_per_block)], 1, f"c{repeat}-{cached}-{new}-prefix", warm)
+            _run(engine, recorder, [prefix + prompt(new)], 1, f"c{repeat}-{cached}-{new}", samples)
         for context in plan.decode_contexts:
             for batch in plan.decode_batches:
                 progress(f"decode batch {batch} at context {context} (repeat {repeat + 1})")
-                prompts = [[(i * 17 + b) % vocab for i in range(context)] for b in range(batch)]
-                _run(engine, recorder, prompts, plan.decode_tokens, f"d{repeat}-{context}-{batch}", samples)
+                _run(engine, recorder, [prompt(context) for _ in range(batch)], plan.decode_tokens, f"d{repeat}-{context}-{batch}", samples)
     return samples
 
 
@@ -205,7 +234,9 @@ def _nnls(rows: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return coefficients
 
 
-def fit(samples: Sequence[StepSample], trim_fraction: float = 0.15, *, mean: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+def fit(
+    samples: Sequence[StepSample], trim_fraction: float = 0.15, *, mean: bool = False, without: Iterable[str] = (),
+) -> tuple[dict[str, float], dict[str, float]]:
     """Relative least squares (each step weighted by 1 / its time, so a 1 ms decode step counts as
     much as a 100 ms prefill), non-negative; then the `trim_fraction` worst-fitting steps (another
     process took the core: shared machines) are dropped and the fit is redone.
@@ -214,8 +245,12 @@ def fit(samples: Sequence[StepSample], trim_fraction: float = 0.15, *, mean: boo
     model meets the mean time of steps of one shape rather than their typical one. Weighting by the
     observed time favours the fast steps: right for an engine alone on its cores, but in a deployment
     whose instances share the cores the slow steps are part of what a queue waits for (fit steps
-    logged as deployed with `mean=True, trim_fraction=0`)."""
+    logged as deployed with `mean=True, trim_fraction=0`).
+
+    `without`: COLUMNS held at 0 (the steps cannot tell them from the others)."""
     rows = torch.tensor([s.row() for s in samples], dtype=torch.float64)
+    for name in without:
+        rows[:, COLUMNS.index(name)] = 0.0  # a column of zeros stays at 0 (_nnls)
     target = torch.tensor([s.step_s for s in samples], dtype=torch.float64)
     weights = 1.0 / target
     coefficients = _nnls(rows * weights.unsqueeze(1), target * weights)
@@ -291,6 +326,10 @@ def profile_document(
             **quality,
             "dtype": str(model.dtype).removeprefix("torch."),
             "plan": {k: list(v) if isinstance(v, tuple) else v for k, v in plan.__dict__.items()},
-            "samples_table": [[s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7)] for s in samples],
+            # context tokens, context pairs, decode sequences, their context tokens, seconds, cached tokens
+            "samples_table": [
+                [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), s.context_cached_tokens]
+                for s in samples
+            ],
         },
     }

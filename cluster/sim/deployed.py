@@ -408,6 +408,16 @@ def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
     return steps
 
 
+# Step-model coefficients a deployed fit holds at 0. `prefill_s_per_cached_token` (what a chunk pays
+# per cached token it attends, which `duet profile` measures in one process: 1.5 us here): fitted
+# to a calibration's steps, whose context chunks on a cache attend pairs in proportion to it, it
+# traded off against the per-pair cost and took the prefill's superlinear cost with it (one
+# validation run, 2026-12-03: per pair 0 instead of 1.9-3.3e-8 s, per cached token 17 us, 1P+1G
+# prefill-heavy TTFT p50 0.96 too slow in the simulator against 0.41-0.49 in the two runs without
+# it). Without it the per-pair cost stands for both, and the calibration's prefix hits size it.
+DEPLOYED_WITHOUT = ("prefill_s_per_cached_token",)
+
+
 def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], float], StepProfile]) -> tuple[StepProfile, dict[str, Any]]:
     """The step model of a step run alone and the contention on it (the module docstring, step 3):
     the fitted profile (`as_profile(coefficients, contention)`) and the fit's quality and rounds."""
@@ -423,7 +433,7 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
     rounds = []
     # One instance, or never any overlap: nothing to measure, and the plain fit below is the model.
     for _ in range(CONTENTION_ROUNDS if variance > 0 else 0):
-        coefficients, _ = fit(alone(contention), trim_fraction=0.0, mean=True)
+        coefficients, _ = fit(alone(contention), trim_fraction=0.0, mean=True, without=DEPLOYED_WITHOUT)
         model = as_profile(coefficients, 0.0)
         ratios = [step.sample.step_s / _modelled(model, step.sample) for step in steps]
         mean_ratio = statistics.fmean(ratios)
@@ -433,7 +443,7 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
         rounds.append({"intercept": round(intercept, 4), "slope": round(slope, 4), "contention": round(contention, 4)})
         if abs(contention - settled) < CONTENTION_SETTLED:
             break
-    coefficients, quality = fit(alone(contention), trim_fraction=0.0, mean=True)
+    coefficients, quality = fit(alone(contention), trim_fraction=0.0, mean=True, without=DEPLOYED_WITHOUT)
     profile = as_profile(coefficients, contention)
     errors = sorted(abs(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) - 1) for step in steps)
     quality = {
@@ -455,7 +465,9 @@ def _coefficients(profile: StepProfile) -> dict[str, float]:
 
 
 def _modelled(profile: StepProfile, sample: Any) -> float:
-    return profile.step_s(sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens)
+    return profile.step_s(
+        sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens, sample.context_cached_tokens,
+    )
 
 
 def step_speed(steps_dir: Path, profile: StepProfile) -> float | None:
@@ -501,7 +513,7 @@ def keep_calibration(source: Path, keep_dir: Path) -> None:
 
 def _table_row(step: _Step) -> list[float]:
     s = step.sample
-    return [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4)]
+    return [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4), s.context_cached_tokens]
 
 
 def _spread(steps: list[_Step], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
@@ -690,8 +702,9 @@ def measure_deployed(
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             # Every `samples_table_every`-th fitted step (a few thousand would make the file large).
             "samples_table_every": table_every,
-            # context tokens, context pairs, decode sequences, their context tokens, seconds, and how
-            # many of the other instances were mid-step as the step started
+            # context tokens, context pairs, decode sequences, their context tokens, seconds, how
+            # many of the other instances were mid-step as the step started, and the cached tokens
+            # the context chunks attended
             "samples_table": [_table_row(step) for step in steps[::table_every]],
         },
     }

@@ -171,9 +171,10 @@ class SimInstance(HandoverSide):
         )
         self.stats = InstanceStats()
         self._event_loop: asyncio.AbstractEventLoop | None = None
-        # (context tokens, context pairs, generation requests, their context tokens) per step, when
-        # a list: the engine parity test compares it with the Engine's (tests/unit/test_sim_instance.py).
-        self.step_log: list[tuple[int, int, int, int]] | None = None
+        # (context tokens, context pairs, generation requests, their context tokens, cached tokens the
+        # context chunks attend) per step, when a list: the engine parity test compares it with the
+        # Engine's (tests/unit/test_sim_instance.py).
+        self.step_log: list[tuple[int, int, int, int, int]] | None = None
         self._generation = 0  # incarnation counter: timers of a killed incarnation do nothing
         self._mid_step = False  # counted in network.mid_step
         self.dead = False
@@ -530,16 +531,17 @@ class SimInstance(HandoverSide):
             len(schedule.context) + len(schedule.generation) >= engine.max_batch_size and admitted > engine.max_batch_size
         ):
             self.stats.request_limited_steps += 1
-        context_tokens = pairs = decode_context = 0
+        context_tokens = pairs = decode_context = cached = 0
         for llm in schedule.context:
             request = self._requests[llm.request_id]
             if not self.blocks.has_sequence(llm.request_id):
                 reused = self.blocks.add_sequence(llm)
                 request.num_cached_tokens = max(request.num_cached_tokens, reused)
                 self._event(llm.request_id, llm.state, EVENT_PREFILL_STARTED)
-            chunk = llm.context_chunk_size
+            chunk, position = llm.context_chunk_size, llm.context_current_position
             context_tokens += chunk
-            pairs += context_pairs(llm.context_current_position, chunk)
+            pairs += context_pairs(position, chunk)
+            cached += position
         trans_complete = S.DISAGG_GENERATION_TRANS_COMPLETE
         landed: list[str] = []
         for llm in schedule.generation:
@@ -552,7 +554,7 @@ class SimInstance(HandoverSide):
             self._release_held(landed)  # the planning publishes before the pass: they go with it
             landed = []
         self.blocks.add_token_to_each(schedule.generation)
-        step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context)
+        step_s = self.profile.step_s(context_tokens, pairs, len(schedule.generation), decode_context, cached)
         if self.profile.step_time_ratios:
             step_s *= self.profile.step_factor(self._rng.random(), context_tokens > 0)
         net = self.net
@@ -561,7 +563,7 @@ class SimInstance(HandoverSide):
         net.mid_step += 1
         self._mid_step = True
         if self.step_log is not None:
-            self.step_log.append((context_tokens, pairs, len(schedule.generation), decode_context))
+            self.step_log.append((context_tokens, pairs, len(schedule.generation), decode_context, cached))
         stats = self.stats
         stats.busy_s += step_s
         stats.steps += 1

@@ -9,7 +9,16 @@ generation tokens together (worker/engine.py); the model of its duration is
               + prefill_s_per_token_pair x attended (query, key) pairs of the context chunks
               + decode_s_per_sequence x generation requests
     memory_s  = decode_s_per_context_token x context length summed over generation requests
+              + prefill_s_per_cached_token x cached tokens the context chunks attend
 
+`prefill_s_per_cached_token` is what a context chunk pays per token already in the cache that it
+attends (a chunk after the first of its prompt, or after a reused prefix): the engine reads those
+tokens' K/V out of the paged cache in every layer (worker/attention.py), whatever the chunk's
+length. Without it the per-pair cost has to stand for it too: a short chunk on a long cache (a
+prefix hit) attends few pairs per cached token and ran 1.1-1.2 x such a model measured in one
+process, a long chunk 0.9 x (on a deployment, whose calibration had prefix hits to fit, 0.8 x to
+1.2 x). Roofline profiles leave it at 0: a GPU's attention reads the cache at a bandwidth the
+compute on it hides.
 `context_step_s` is what a step pays for running context at all, beyond its tokens: about 0 for an
 engine alone in one process; as deployed (below) the prefill-started event it publishes and the
 hand-over its finished context starts run on the instance's other threads during the step, on the
@@ -79,6 +88,7 @@ class StepProfile:
     kv_bytes_per_token: int
     combine: str = "sum"  # "sum" or "max" (see the module docstring)
     context_step_s: float = 0.0  # seconds a step with any context chunk pays beyond its tokens (the module docstring)
+    prefill_s_per_cached_token: float = 0.0  # seconds per cached token a context chunk attends (the module docstring)
     # How a step's time spreads around the model's (the module docstring): the ratio of measured to
     # modelled time at the quantiles (i + 0.5) / n, ascending; () for none.
     step_time_ratios: tuple[float, ...] = ()
@@ -103,7 +113,7 @@ class StepProfile:
             raise ProfileError(f"combine: 'sum' or 'max', got {self.combine!r}")
         for name in (
             "step_overhead_s", "prefill_s_per_token", "prefill_s_per_token_pair", "decode_s_per_sequence",
-            "decode_s_per_context_token", "handover_fixed_s", "context_step_s", "contention",
+            "decode_s_per_context_token", "handover_fixed_s", "context_step_s", "prefill_s_per_cached_token", "contention",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -125,8 +135,12 @@ class StepProfile:
         if pool is not None and (type(pool) is not int or pool < self.kv_bytes_per_token):
             raise ProfileError(f"kv_pool_bytes: null or an integer of at least kv_bytes_per_token, got {pool!r}")
 
-    def step_s(self, context_tokens: int, context_pairs: int, decode_sequences: int, decode_context_tokens: int) -> float:
-        """Seconds of one step that runs these (0 for an empty step: the engine does not step)."""
+    def step_s(
+        self, context_tokens: int, context_pairs: int, decode_sequences: int, decode_context_tokens: int,
+        context_cached_tokens: int = 0,
+    ) -> float:
+        """Seconds of one step that runs these (0 for an empty step: the engine does not step);
+        `context_cached_tokens`: the cached tokens its context chunks attend, summed over them."""
         if not context_tokens and not decode_sequences:
             return 0.0
         compute_s = (
@@ -134,7 +148,7 @@ class StepProfile:
             + self.prefill_s_per_token_pair * context_pairs
             + self.decode_s_per_sequence * decode_sequences
         )
-        memory_s = self.decode_s_per_context_token * decode_context_tokens
+        memory_s = self.decode_s_per_context_token * decode_context_tokens + self.prefill_s_per_cached_token * context_cached_tokens
         body_s = compute_s + memory_s if self.combine == "sum" else max(compute_s, memory_s)
         return self.step_overhead_s + (self.context_step_s if context_tokens else 0.0) + body_s
 

@@ -94,19 +94,23 @@ def test_step_logs_are_read_from_a_given_time_with_the_loop_s_or_the_engine_s_se
     log = StepLog(path)
 
     class Recorder:  # what the runner seam recorded of the step's batch
-        last: tuple[int, int, int, int] | None = None
+        last: tuple[int, int, int, int, int] | None = None
 
     log.recorder = Recorder()  # type: ignore[assignment]
-    log.recorder.last = (32, context_pairs(0, 32), 0, 0)
+    log.recorder.last = (32, context_pairs(96, 32), 0, 0, 96)  # a 32-token chunk on 96 cached tokens
     log.record(0.010, 0.011)
     log.record(0.5, 0.5)  # no forward pass since the last record: nothing written
-    log.recorder.last = (0, 0, 4, 400)
+    log.recorder.last = (0, 0, 4, 400, 0)
     log.record(0.002, 0.003)
     log.close()
     with path.open("a") as file:
         file.write('{"t": 1, "ctx": 3')  # a line cut by a kill
     samples = read_step_logs([path])
-    assert [(s.context_tokens, s.decode_sequences, s.step_s) for s in samples] == [(32, 0, 0.011), (0, 4, 0.003)]
+    assert [(s.context_tokens, s.context_cached_tokens, s.decode_sequences, s.step_s) for s in samples] == [(32, 96, 0, 0.011), (0, 0, 4, 0.003)]
+    # A log written before the cached tokens were recorded: read as none.
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"t": 5.0, "ctx": 64, "pairs": 2080, "seqs": 0, "dctx": 0, "s": 0.01, "loop_s": 0.012}\n')
+    assert [(s.context_tokens, s.context_cached_tokens, s.step_s) for s in read_step_logs([old])] == [(64, 0, 0.012)]
     assert [s.step_s for s in read_step_logs([path], seconds="s")] == [0.010, 0.002]
     last_t = json.loads(path.read_text().splitlines()[1])["t"]
     assert [s.decode_sequences for s in read_step_logs([path], since_s=last_t)] == [4]
@@ -457,3 +461,35 @@ def test_the_calibration_s_shared_prefix_point_sends_short_chunks_on_a_long_cach
     plain = CalibrationPoint(384, 8, 48, load=0.7)
     assert plain.computed_prompt_tokens == 384
     assert all(len(r.prompt) == 384 for r in build_workload(plain.workload(), 0))
+
+
+def test_the_deployed_fit_holds_the_cached_token_cost_at_0_where_one_process_fits_it(tmp_path: Path) -> None:
+    # Steps with chunks on cached prefixes: `duet profile`'s fit (one process, its cached-prefill
+    # series) finds what a chunk pays per cached token; the deployed fit leaves it to the per-pair
+    # cost (deployed.DEPLOYED_WITHOUT says why) and still logs and reads the cached tokens.
+    pytest.importorskip("torch")
+    from cluster.sim import deployed
+    from worker.profiler import StepSample, fit
+
+    truth = dataclasses.replace(PROFILE, prefill_s_per_cached_token=2e-6)
+    samples = []
+    for tokens in (32, 128, 512):
+        for cached in (0, 256, 1024):
+            step_s = truth.step_s(tokens, context_pairs(cached, tokens), 0, 0, cached)
+            samples.append(StepSample(tokens, context_pairs(cached, tokens), 0, 0, step_s, cached))
+    for seqs, context in ((1, 100), (4, 700), (16, 300)):
+        samples.append(StepSample(0, 0, seqs, seqs * context, truth.step_s(0, 0, seqs, seqs * context)))
+    one_process, _ = fit(samples, trim_fraction=0.0)
+    assert one_process["prefill_s_per_cached_token"] == pytest.approx(2e-6, rel=1e-6)
+    held, _ = fit(samples, trim_fraction=0.0, without=deployed.DEPLOYED_WITHOUT)
+    assert held["prefill_s_per_cached_token"] == 0.0 and held["prefill_s_per_token_pair"] > truth.prefill_s_per_token_pair
+
+    steps_dir = tmp_path / "steps"
+    steps_dir.mkdir()
+    rows = [{"t": 10.0 + i, "ctx": s.context_tokens, "pairs": s.context_pairs, "seqs": s.decode_sequences, "dctx": s.decode_context_tokens,
+             "cached": s.context_cached_tokens, "s": s.step_s, "loop_s": s.step_s} for i, s in enumerate(samples)]
+    (steps_dir / "mixed-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    logged = deployed._logged_steps(steps_dir)
+    assert [step.sample.context_cached_tokens for step in logged] == [s.context_cached_tokens for s in samples]
+    fitted, _ = deployed._fit_contended(logged, lambda coefficients, contention: dataclasses.replace(truth, contention=contention, **coefficients))
+    assert fitted.prefill_s_per_cached_token == 0.0

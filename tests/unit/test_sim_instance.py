@@ -110,7 +110,7 @@ def test_simulated_instance_schedules_every_step_as_the_engine_does(case: str, d
     if "pauses" in case:
         assert instance.stats.pauses > 0
     if "reuse" in case:  # a first chunk that starts past cached blocks attends more than its own tokens
-        assert any(ctx and pairs > ctx * (ctx + 1) // 2 for ctx, pairs, _, _ in instance.step_log)
+        assert any(ctx and pairs > ctx * (ctx + 1) // 2 and cached for ctx, pairs, _, _, cached in instance.step_log)
 
 
 def _cluster(groups: list[tuple[str, int]], **engine) -> ClusterConfig:

@@ -120,20 +120,25 @@ def test_the_profile_fit_recovers_known_coefficients() -> None:
     pytest.importorskip("torch")
     from worker.profiler import StepSample, fit
 
-    truth = (2e-3, 3e-5, 4e-8, 1e-4, 1e-6, 5e-3)  # the last: context_step_s, paid by a step with any context
+    # The last two: context_step_s (paid by a step with any context) and prefill_s_per_cached_token.
+    truth = (2e-3, 3e-5, 4e-8, 1e-4, 1e-6, 5e-3, 1.5e-6)
     samples = []
     for ctx in (0, 64, 256, 1024):
-        for seqs in (0, 1, 8, 32):
-            for length in (100, 700):
-                if ctx == seqs == 0:
-                    continue
-                row = (ctx, context_pairs(0, ctx), seqs, seqs * length)
-                step_s = truth[0] + sum(c * x for c, x in zip(truth[1:5], row, strict=True)) + (truth[5] if ctx else 0.0)
-                samples.append(StepSample(*row, step_s))
+        for cached in ((0, 512) if ctx else (0,)):  # a chunk on a cached prefix attends it too
+            for seqs in (0, 1, 8, 32):
+                for length in (100, 700):
+                    if ctx == seqs == 0:
+                        continue
+                    row = (ctx, context_pairs(cached, ctx), seqs, seqs * length)
+                    step_s = truth[0] + sum(c * x for c, x in zip(truth[1:5], row, strict=True)) + (truth[5] if ctx else 0.0) + truth[6] * cached
+                    samples.append(StepSample(*row, step_s, cached))
     coefficients, quality = fit(samples)
     assert list(coefficients.values()) == pytest.approx(truth, rel=1e-6)
     profile = StepProfile("fitted", "measured", "cpu", "m", **coefficients, handover_fixed_s=0.0, kv_bytes_per_token=1)
-    assert samples[6].context_tokens == 64 and profile.step_s(64, context_pairs(0, 64), 0, 0) == pytest.approx(samples[6].step_s, rel=1e-6)
+    for sample in samples[6], samples[20]:
+        modelled = profile.step_s(sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens, sample.context_cached_tokens)
+        assert modelled == pytest.approx(sample.step_s, rel=1e-6)
+    assert samples[20].context_cached_tokens == 512
     assert quality["median_relative_error"] < 1e-9
 
 
@@ -377,6 +382,11 @@ def test_duet_profile_measures_this_machine_and_writes_a_profile_duet_sim_reads(
     assert profile.source == "measured" and profile.model == "builtin" and profile.kv_bytes_per_token == 2048
     assert profile.step_s(0, 0, 4, 400) > 0 and 0 < profile.handover_fixed_s < 1.0
     assert profile.fit["samples"] >= 8
+    # It measured a chunk on a cached prefix (the quick plan's 32 tokens on 128), each other prompt
+    # its own (no step of them found another's blocks in the cache).
+    table = profile.fit["samples_table"]
+    assert [row[5] for row in table if row[5]] == [128]
+    assert [row for row in table if row[5]][0][:2] == [32, context_pairs(128, 32)]
     roof = tmp_path / "roof.json"
     assert main(["profile", "--roofline", "a100-80g:qwen2-7b", "--out", str(roof)]) == 0
     assert load_profile(str(roof)).source == "roofline"
