@@ -130,7 +130,7 @@ SECOND_PASS = (
     # Prefix reuse: 64-token chunks attending 448 cached tokens. Without steps whose attended pairs
     # are many per token, the fit cannot tell the per-pair cost from the per-token one (in the
     # other shapes the two grow together): it put the pairs' cost on the tokens, and a prefix hit's
-    # short chunk on a long cache then ran 1.3-1.9x the model (the validation's shared-prefix case).
+    # short chunk on a long cache then ran 1.4-1.8x the model (the validation's shared-prefix case).
     CalibrationPoint(512, 12, 48, load=0.7, shared_prefix_tokens=448),
 )
 SUFFIXES_PER_PREFIX = 8  # requests per shared prefix in a CalibrationPoint with shared_prefix_tokens
