@@ -218,7 +218,7 @@ class Fleet:
             for member in stale:
                 candidate = member.candidate or self._refresh(member)
                 pool = member.pool
-                if pool is not (self._prefill_pool if candidate.load.role is InstanceRole.PREFILL else self._generation_pool):
+                if pool is not self._pool_for(candidate):
                     # A role changed (a restart under another role), or a member no longer registered
                     # (replaced under its id; its pool is an earlier one): rebuild.
                     self._pools_valid = False
@@ -239,11 +239,15 @@ class Fleet:
             generation.holds_tokens, prefill.holds_tokens,
         )
 
+    def _pool_for(self, candidate: Candidate) -> _Pool:
+        """The pool a candidate belongs in by its role: PREFILL, or GENERATION/MIXED."""
+        return self._prefill_pool if candidate.load.role is InstanceRole.PREFILL else self._generation_pool
+
     def _rebuild_pools(self) -> None:
         self._generation_pool, self._prefill_pool = _Pool(), _Pool()
         for member in self._in_id_order:
             candidate = member.candidate or self._refresh(member)
-            pool = self._prefill_pool if candidate.load.role is InstanceRole.PREFILL else self._generation_pool
+            pool = self._pool_for(candidate)
             member.pool, member.pool_index = pool, len(pool.candidates)
             pool.candidates.append(candidate)
             pool.unhealthy += candidate.health is not InstanceHealth.HEALTHY

@@ -560,18 +560,13 @@ class Placer:
         instance once, in instance-id order (the fleet keeps its members so), and they are not
         checked again (a pass over every instance per request)."""
         # Checked and ordered once for both hops; the policies take the healthy ones from here.
-        pools = _pools_of(candidates if in_id_order else _in_id_order(candidates))
-        _check_overlap(overlap_blocks)
-        return self._place(request, pools, overlap_blocks)
+        return self.place_pools(request, _pools_of(candidates if in_id_order else _in_id_order(candidates)), overlap_blocks)
 
     def place_pools(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
         """Both hops, from pools the caller keeps (the fleet patches them as reports arrive rather
         than partitioning every instance per request: at 256 instances that was half a decision's
         time); the same decision as `place` on the candidates they were taken from."""
         _check_overlap(overlap_blocks)
-        return self._place(request, pools, overlap_blocks)
-
-    def _place(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> PlacementPlan:
         generation = self._choose_generation(request, pools, overlap_blocks)
         # The chosen one's snapshot, found by bisection: the pool is in instance-id order.
         healthy_generation = pools.healthy_generation

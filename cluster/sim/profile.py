@@ -17,8 +17,10 @@ tokens' K/V out of the paged cache in every layer (worker/attention.py), whateve
 length. Without it the per-pair cost has to stand for it too: a short chunk on a long cache (a
 prefix hit) attends few pairs per cached token and ran 1.1-1.2 x such a model measured in one
 process, a long chunk 0.9 x (on a deployment, whose calibration had prefix hits to fit, 0.8 x to
-1.2 x). Roofline profiles leave it at 0: a GPU's attention reads the cache at a bandwidth the
-compute on it hides.
+1.2 x). `duet profile` measures it; a profile measured as deployed holds it at 0 (its calibration
+cannot tell it from the per-pair cost: cluster/sim/deployed.py DEPLOYED_WITHOUT). Roofline profiles
+leave it at 0: a GPU's attention reads the cache at a bandwidth the compute on it hides.
+
 `context_step_s` is what a step pays for running context at all, beyond its tokens: about 0 for an
 engine alone in one process; as deployed (below) the prefill-started event it publishes and the
 hand-over its finished context starts run on the instance's other threads during the step, on the
