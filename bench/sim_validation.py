@@ -73,7 +73,8 @@ from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_worklo
 from cluster.sim.capacity import cluster_rps  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
 from cluster.sim.cluster import SimSettings, simulate  # noqa: E402
-from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed, step_speed, step_speeds_by_kind  # noqa: E402
+from cluster.sim.deployed import TOPOLOGIES, default_config, measure_deployed  # noqa: E402
+from cluster.sim.deployment_logs import step_speed, step_speeds_by_kind  # noqa: E402
 from cluster.sim.link import data_plane  # noqa: E402
 from cluster.sim.profile import ProfileError, StepProfile  # noqa: E402
 
@@ -126,7 +127,7 @@ def real_runs(
     """Each case twice, each time on a cluster of its own: the same seed means the same prompts, and
     the second run must not find the first one's in the prefix cache (nor any case another's), as
     the simulator starts every case on empty instances. Returns each run's figures and how fast the
-    host ran its steps against `profile` (its instances log them: cluster/sim/deployed.py step_speed).
+    host ran its steps against `profile` (its instances log them: cluster/sim/deployment_logs.py step_speed).
     `keep_steps`: copy each run's step logs to keep_steps/<case>-<run>/."""
     from cluster.deploy.embedded import BackgroundCluster
 
@@ -158,7 +159,7 @@ def real_runs(
 
 def kept_steps_report(keep_steps: Path, profiles: dict[str, StepProfile]) -> list[list]:
     """Per cluster, for its calibration's steps (with --measure) and each real run's as kept: how they
-    ran against the cluster's profile, all and by kind (cluster/sim/deployed.py step_speeds_by_kind;
+    ran against the cluster's profile, all and by kind (cluster/sim/deployment_logs.py step_speeds_by_kind;
     "-" for a kind with no steps)."""
     rows = []
     for topology, profile in profiles.items():

@@ -37,11 +37,11 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    router's first token to the client's); `handover_fixed_s`, the median time from the end of the
    prefill step that finished a request's context to the start of the generation step that took it
    up, less the link model's time for its KV bytes, over the requests whose generation instance was
-   idle in between (0 where nothing is handed over; _handover_seconds says why not the router's
+   idle in between (0 where nothing is handed over; deployment_logs.handover_seconds says why not the router's
    TRANSMISSION to GENERATING, which it was until profiles measured on 2026-12-03). Where fewer than
    MIN_IDLE_HANDOVERS requests of the loaded passes found it idle (a short calibration keeps it
    busy), over those of the first pass as well. `handover_busy_s`, the median of the loaded passes'
-   hand-overs to a busy generation instance (each known only to an interval: _censored_median),
+   hand-overs to a busy generation instance (each known only to an interval: deployment_logs.censored_median),
    where there are MIN_IDLE_HANDOVERS of them: they take longer (the receiver shares the instance's
    cores), and the simulator charges it to a push whose receiver is mid-step.
 
@@ -52,31 +52,26 @@ percentiles of every control-path measurement, the host's load average before an
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
-import json
 import math
 import os
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind
+from cluster.sim import deployment_logs as logs
 from cluster.sim.capacity import cluster_rps
-from cluster.sim.link import DATA_PLANES
 from cluster.sim.profile import StepProfile
 from worker.protocol import InstanceRole
-
-HANDOVER_PLANE = "grpc-loopback"  # the link model whose time the hand-over's control path excludes
 
 
 @dataclass(frozen=True)
@@ -183,117 +178,6 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"n": len(ordered), "p10": ordered[len(ordered) // 10], "p50": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))]}
 
 
-def _timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
-    """The records of the router's timeline log (`frontend.timeline_log`: one JSON object a line);
-    a line that does not parse (one being written as the run ended) is skipped."""
-    if not timeline_path.exists():
-        return
-    for line in timeline_path.read_text(encoding="utf-8").splitlines():
-        try:
-            yield json.loads(line)
-        except ValueError:
-            continue
-
-
-def _handover_seconds(
-    timelines: list[dict[str, Any]], spans: dict[str, list[tuple[float, float]]], tokens_per_block: int, kv_bytes_per_token: int,
-    since_s: float,
-) -> tuple[list[float], list[tuple[float, float]]]:
-    """Per disaggregated request admitted at or after wall-clock `since_s`: its hand-over's control
-    path, from the end of the prefill instance's step that finished its context until the request
-    could join a generation step, less the link model's time for its KV bytes. The push, the commit
-    and the generation instance's wake-up, which is what the simulator's hand-over takes before the
-    request joins a step (cluster/sim/handover.py).
-
-    Returns (idle, busy). `idle`: the exact time for each request whose generation instance was idle
-    from its context's end until the step that took it up (to that step's start). `busy`: for the
-    others, the interval the time lies in: the engine takes up what landed at the start of its next
-    step (worker/engine.py), so a request taken up by generation step j landed after step j-1 started
-    (or at the context's end, if that was later) and by step j's start (_censored_median estimates
-    their median).
-
-    Not the router's TRANSMISSION to GENERATING: an instance reports a landed hand-over's commit with
-    the token of its first decode step (worker/instance.py, since ca4d585), so that span holds the
-    whole step and the poll's way back, which the simulator runs and charges itself; and a request
-    that waited for a busy generation instance's step to end waited for what the simulator also
-    models. `timelines`: _timelines; `spans`: each instance's logged steps (_step_spans)."""
-    link = DATA_PLANES[HANDOVER_PLANE]
-    idle: list[float] = []
-    busy: list[tuple[float, float]] = []
-    for times in timelines:
-        transmission, generating = times.get("TRANSMISSION"), times.get("GENERATING")
-        if transmission is None or generating is None or times.get("QUEUED", 0.0) < since_s:
-            continue
-        prefill, generation = spans.get(times.get("context_instance", "")), spans.get(times.get("generation_instance", ""))
-        if not prefill or not generation:
-            continue
-        # The prefill step whose end the router heard as TRANSMISSION, and the generation step whose
-        # outputs it heard as GENERATING: the last ones to end before each.
-        context_end = _last_ending_before(prefill, transmission)
-        taken_up = _last_ending_before(generation, generating)
-        if context_end is None or taken_up is None or generation[taken_up][0] < prefill[context_end][1]:
-            continue
-        context_end_s, taken_up_s = prefill[context_end][1], generation[taken_up][0]
-        link_s = link.transfer_s(math.ceil(times["prompt_tokens"] / tokens_per_block) * tokens_per_block * kv_bytes_per_token)
-        if taken_up and generation[taken_up - 1][1] > context_end_s:
-            # The generation instance stepped in between: the request may have waited for its step.
-            landed_after_s = max(context_end_s, generation[taken_up - 1][0])
-            busy.append((max(0.0, landed_after_s - context_end_s - link_s), max(0.0, taken_up_s - context_end_s - link_s)))
-        else:
-            idle.append(max(0.0, taken_up_s - context_end_s - link_s))
-    return idle, busy
-
-
-def _censored_median(exact: list[float], intervals: list[tuple[float, float]], tolerance: float = 1e-9) -> float | None:
-    """The median of a distribution observed exactly (`exact`) and only as the closed interval each
-    value lies in (`intervals`), by Turnbull's nonparametric maximum-likelihood estimate: the
-    probability mass sits on the innermost intervals (each an interval's left end followed, among
-    all the ends in order, by a right end), and the self-consistency iteration (an EM) spreads it
-    over them. The median is the middle of the innermost interval where the cumulative mass
-    reaches one half (the estimate says nothing of where within it). None without observations."""
-    observations = [(value, value) for value in exact] + [(min(low, high), max(low, high)) for low, high in intervals]
-    if not observations:
-        return None
-    ends = sorted([(low, 0) for low, _ in observations] + [(high, 1) for _, high in observations])  # a left end first on a tie
-    innermost = [(ends[i][0], ends[i + 1][0]) for i in range(len(ends) - 1) if ends[i][1] == 0 and ends[i + 1][1] == 1]
-    lows = np.array([low for low, _ in observations])[:, None]
-    highs = np.array([high for _, high in observations])[:, None]
-    holds = (lows <= np.array([p for p, _ in innermost])[None, :]) & (np.array([q for _, q in innermost])[None, :] <= highs)
-    mass = np.full(len(innermost), 1.0 / len(innermost))
-    for _ in range(10_000):
-        likelihood = holds @ mass  # each observation's probability under the current masses (> 0: each holds one)
-        updated = mass * (holds / likelihood[:, None]).mean(axis=0)
-        settled = float(np.abs(updated - mass).max()) < tolerance
-        mass = updated
-        if settled:
-            break
-    reached = int(np.searchsorted(np.cumsum(mass), 0.5 - tolerance))
-    low, high = innermost[min(reached, len(innermost) - 1)]
-    return (low + high) / 2
-
-
-def _last_ending_before(spans: list[tuple[float, float]], time_s: float) -> int | None:
-    """The index of the last of one instance's steps (by start; they do not overlap, so also by end)
-    to end at or before `time_s`."""
-    index = bisect.bisect_right(spans, time_s, key=lambda span: span[1]) - 1
-    return index if index >= 0 else None
-
-
-def _step_spans(steps_dir: Path) -> dict[str, list[tuple[float, float]]]:
-    """Per instance (its step log's name), its logged steps' (start, end) wall-clock spans by start."""
-    steps: dict[str, list[tuple[float, float]]] = {}
-    for path in steps_dir.glob("*.jsonl"):
-        spans = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-                spans.append((record["t"] - record["loop_s"], record["t"]))
-            except (ValueError, KeyError, TypeError):
-                continue
-        steps[path.stem] = sorted(spans)
-    return steps
-
-
 class _WallClock:
     """time.time for a LoadRunner, remembering its first reading: the run's start, so that its
     records (seconds since the start) can be set against the router's wall-clock timelines."""
@@ -316,98 +200,6 @@ class _PointRun:
     records: tuple[Any, ...]  # RequestRecord
 
 
-def _timelines(timeline_path: Path) -> list[dict[str, Any]]:
-    """Per ended request: its first time in each global state (wall clock), its prompt length
-    ("prompt_tokens"), the instance that ran its context ("context_instance") and the one that
-    took up its generation ("generation_instance")."""
-    out = []
-    for record in _timeline_records(timeline_path):
-        times: dict[str, Any] = {}
-        for entry in record.get("timeline", ()):
-            times.setdefault(entry["state"], entry["time_s"])
-            if entry["state"] == "CONTEXT_IN_PROGRESS":
-                times.setdefault("context_instance", entry.get("instance_id") or "")
-            elif entry["state"] == "GENERATING":
-                times.setdefault("generation_instance", entry.get("instance_id") or "")
-        times["prompt_tokens"] = record.get("usage", {}).get("prompt_tokens", 0)
-        times["end"] = record["timeline"][-1]["time_s"] if record.get("timeline") else 0.0
-        out.append(times)
-    return out
-
-
-def _frontend(runs: list[_PointRun], timelines: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """From each point's records matched in order with the timelines of the requests the router
-    admitted meanwhile: the front end's way in (sent to QUEUED) and its way out (the router's first
-    token to the client's: GENERATION_INIT, or GENERATING when colocated)."""
-    ways_in, ways_out = [], []
-    for run in runs:
-        admitted = sorted((t for t in timelines if run.started_s <= t.get("QUEUED", 0.0) <= run.ended_s), key=lambda t: t["QUEUED"])
-        records = sorted((r for r in run.records if r.ok and r.chunk_times_s), key=lambda r: r.sent_s)
-        if len(admitted) != len(records):
-            continue  # a request failed or was retried: no safe matching
-        for record, times in zip(records, admitted, strict=True):
-            ways_in.append(times["QUEUED"] - (run.started_s + record.sent_s))
-            first = times.get("GENERATION_INIT", times.get("GENERATING"))
-            if first is not None:
-                ways_out.append(run.started_s + record.chunk_times_s[0] - first)
-    return ways_in, ways_out
-
-
-def _calls(timelines: list[dict[str, Any]], steps: dict[str, list[tuple[float, float]]], since_s: float) -> tuple[list[float], list[float]]:
-    """The router's calls as its instances saw them, for requests admitted at or after `since_s`
-    while the instance that ran their context was idle: the submit's way there (QUEUED to the start
-    of that instance's next step) and a poll's answer's way back (that step's start, where it
-    publishes "prefill started", to CONTEXT_IN_PROGRESS). `steps`: _step_spans."""
-    ways_there, ways_back = [], []
-    for times in timelines:
-        queued, started, instance = times.get("QUEUED"), times.get("CONTEXT_IN_PROGRESS"), times.get("context_instance")
-        if queued is None or started is None or queued < since_s or instance not in steps:
-            continue
-        spans = steps[instance]
-        index = bisect.bisect_left(spans, (queued, queued))
-        if index and spans[index - 1][1] > queued:
-            continue  # a step was running when the request came: it waited for the instance
-        if index == len(spans) or spans[index][0] > started:
-            continue
-        ways_there.append(spans[index][0] - queued)
-        ways_back.append(started - spans[index][0])
-    return ways_there, ways_back
-
-
-@dataclass(frozen=True)
-class _Step:
-    """A logged step and how many of the other instances were mid-step when it started."""
-
-    sample: Any  # worker.profiler.StepSample
-    busy: float
-
-
-def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
-    """Every instance's logged steps that ended at or after wall-clock `since_s`, each with the
-    number of the other instances (their step logs in `steps_dir`) whose logged step covers its
-    start. A step's span is [t - loop_s, t]; one instance's steps do not overlap each other."""
-    from worker.profiler import read_step_log
-
-    # Per instance: (start, end, step) of its steps by start; a step's span is [t - loop_s, t].
-    spans = {
-        path.stem: sorted(((ended_s - sample.step_s, ended_s, sample) for ended_s, sample in read_step_log(path)), key=lambda row: row[0])
-        for path in sorted(steps_dir.glob("*.jsonl"))
-    }
-    starts = {name: [row[0] for row in rows] for name, rows in spans.items()}
-    steps = []
-    for name, rows in spans.items():
-        others = [other for other in spans if other != name]
-        for start, end, sample in rows:
-            if end < since_s:
-                continue
-            busy = 0
-            for other in others:
-                index = bisect.bisect_right(starts[other], start) - 1
-                busy += index >= 0 and spans[other][index][1] > start
-            steps.append(_Step(sample, float(busy)))
-    return steps
-
-
 # Step-model coefficients a deployed fit holds at 0. `prefill_s_per_cached_token` (what a chunk pays
 # per cached token it attends, which `duet profile` measures in one process: 1.5 us here): fitted
 # to a calibration's steps, whose context chunks on a cache attend pairs in proportion to it, it
@@ -418,7 +210,7 @@ def _logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[_Step]:
 DEPLOYED_WITHOUT = ("prefill_s_per_cached_token",)
 
 
-def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], float], StepProfile]) -> tuple[StepProfile, dict[str, Any]]:
+def _fit_contended(steps: list[logs.LoggedStep], as_profile: Callable[[dict[str, float], float], StepProfile]) -> tuple[StepProfile, dict[str, Any]]:
     """The step model of a step run alone and the contention on it (the module docstring, step 3):
     the fitted profile (`as_profile(coefficients, contention)`) and the fit's quality and rounds."""
     from worker.profiler import fit
@@ -435,7 +227,7 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
     for _ in range(CONTENTION_ROUNDS if variance > 0 else 0):
         coefficients, _ = fit(alone(contention), trim_fraction=0.0, mean=True, without=DEPLOYED_WITHOUT)
         model = as_profile(coefficients, 0.0)
-        ratios = [step.sample.step_s / _modelled(model, step.sample) for step in steps]
+        ratios = [step.sample.step_s / logs.modelled_s(model, step.sample) for step in steps]
         mean_ratio = statistics.fmean(ratios)
         slope = statistics.fmean([(b - mean_busy) * (r - mean_ratio) for b, r in zip(busy, ratios, strict=True)]) / variance
         intercept = mean_ratio - slope * mean_busy
@@ -445,7 +237,7 @@ def _fit_contended(steps: list[_Step], as_profile: Callable[[dict[str, float], f
             break
     coefficients, quality = fit(alone(contention), trim_fraction=0.0, mean=True, without=DEPLOYED_WITHOUT)
     profile = as_profile(coefficients, contention)
-    errors = sorted(abs(step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy)) - 1) for step in steps)
+    errors = sorted(abs(step.sample.step_s / (logs.modelled_s(profile, step.sample) * profile.contended(step.busy)) - 1) for step in steps)
     quality = {
         **quality,
         # The whole model's (alone x contended) error on the logged steps; the entries above are the
@@ -464,44 +256,6 @@ def _coefficients(profile: StepProfile) -> dict[str, float]:
     return {name: getattr(profile, name) for name in COLUMNS}
 
 
-def _modelled(profile: StepProfile, sample: Any) -> float:
-    return profile.step_s(
-        sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens, sample.context_cached_tokens,
-    )
-
-
-def step_speed(steps_dir: Path, profile: StepProfile) -> float | None:
-    """How a deployment's logged steps (`steps_dir`: its instances' step logs) ran against `profile`:
-    the mean over the steps of their time over the profile's model of them, contention included
-    (the fit meets the mean step, so 1.0 when the model meets these steps on average; above 1 when
-    they ran slower, because the host did or because the model misses their shapes). None when
-    nothing was logged."""
-    steps = _logged_steps(steps_dir)
-    if not steps:
-        return None
-    return statistics.fmean(_speed(step, profile) for step in steps)
-
-
-def step_speeds_by_kind(steps_dir: Path, profile: StepProfile) -> dict[str, tuple[int, float | None]]:
-    """`step_speed` of all the logged steps and of each kind: those that run context and the
-    decode-only ones, those that started alone and those that started while another instance was
-    mid-step. Each: (steps, their mean measured over modelled time; None when there are none).
-    Where a profile misses, whether it misses one kind (its shapes, or its contention) or all alike
-    (the host's level)."""
-    kinds: dict[str, list[float]] = {"all": [], "context": [], "decode_only": [], "alone": [], "contended": []}
-    for step in _logged_steps(steps_dir):
-        speed = _speed(step, profile)
-        kinds["all"].append(speed)
-        kinds["context" if step.sample.context_tokens else "decode_only"].append(speed)
-        kinds["contended" if step.busy else "alone"].append(speed)
-    return {kind: (len(speeds), statistics.fmean(speeds) if speeds else None) for kind, speeds in kinds.items()}
-
-
-def _speed(step: _Step, profile: StepProfile) -> float:
-    """A logged step's time over the profile's model of it, contention included."""
-    return step.sample.step_s / (_modelled(profile, step.sample) * profile.contended(step.busy))
-
-
 def keep_calibration(source: Path, keep_dir: Path) -> None:
     """Copy a calibration's step logs and timelines (`source`: its working directory) to `keep_dir`."""
     keep_dir.mkdir(parents=True, exist_ok=True)
@@ -511,16 +265,16 @@ def keep_calibration(source: Path, keep_dir: Path) -> None:
         shutil.copy2(timelines, keep_dir / "timelines.jsonl")
 
 
-def _table_row(step: _Step) -> list[float]:
+def _table_row(step: logs.LoggedStep) -> list[float]:
     s = step.sample
     return [s.context_tokens, s.context_pairs, s.decode_sequences, s.decode_context_tokens, round(s.step_s, 7), round(step.busy, 4), s.context_cached_tokens]
 
 
-def _spread(steps: list[_Step], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
+def _spread(steps: list[logs.LoggedStep], profile: StepProfile, points: int = SPREAD_POINTS) -> list[float]:
     """Measured / modelled time of each step (contention included), at the quantiles (i + 0.5) /
     points, scaled so that their mean is 1 (the fit meets the mean step; the spread is only how
     steps scatter around it)."""
-    ratios = sorted(_speed(step, profile) for step in steps)
+    ratios = sorted(logs.speed_of(step, profile) for step in steps)
     picked = [ratios[min(len(ratios) - 1, int((i + 0.5) / points * len(ratios)))] for i in range(points)]
     mean = sum(picked) / len(picked)
     return [round(r / mean, 4) for r in picked]
@@ -594,7 +348,7 @@ def measure_deployed(
             info = cluster.run(RayInstanceClient(*next(iter(cluster.deployment.actors.items()))).get_info())
             layout = info.layout
             kv_bytes_per_token = layout.run_bytes(layout.num_layers, 1) // layout.tokens_per_block
-            first_steps = _logged_steps(steps_dir)
+            first_steps = logs.logged_steps(steps_dir)
             if len(first_steps) < 8:
                 raise RuntimeError(f"the deployment logged {len(first_steps)} steps in the first pass; too few to fit")
 
@@ -614,7 +368,7 @@ def measure_deployed(
             for number in range(1 if quick else MAX_LOADED_PASSES):
                 pass_s = time.time()
                 asyncio.run(serve(second_pass, provisional, f"loaded pass {number + 1}", 100 * (number + 1)))
-                steps = _logged_steps(steps_dir, since_s=pass_s)
+                steps = logs.logged_steps(steps_dir, since_s=pass_s)
                 if len(steps) < 8:
                     raise RuntimeError(f"the deployment logged {len(steps)} steps in a loaded pass; too few to fit")
                 fitted, _ = _fit_contended(steps, as_profile)
@@ -624,7 +378,7 @@ def measure_deployed(
                 if moved < SETTLED:
                     break
             # The profile: every loaded pass's steps (each pass's own fit is noisy on a shared host).
-            steps = _logged_steps(steps_dir, since_s=second_s)
+            steps = logs.logged_steps(steps_dir, since_s=second_s)
             fitted, quality = _fit_contended(steps, as_profile)
             all_ratios = _spread(steps, fitted)
             # Context steps scatter less, relative to their time, than decode-only ones: a spread each
@@ -635,21 +389,21 @@ def measure_deployed(
                 ratios, context_ratios = _spread(without, fitted), _spread(with_context, fitted)
             else:
                 ratios, context_ratios = all_ratios, []
-        spans = _step_spans(steps_dir)
-        timelines = _timelines(timeline_path)
-        idle_handovers, busy_handovers = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
+        spans = logs.step_spans(steps_dir)
+        timelines = logs.request_timelines(timeline_path)
+        idle_handovers, busy_handovers = logs.handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, second_s)
         handovers_from = "loaded passes"
         if len(idle_handovers) < MIN_IDLE_HANDOVERS:  # a generation instance rarely idle (a short calibration)
-            idle_handovers, _ = _handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, runs[0].started_s)
+            idle_handovers, _ = logs.handover_seconds(timelines, spans, engine.tokens_per_block, kv_bytes_per_token, runs[0].started_s)
             handovers_from = "all passes"
-        calls = _calls(timelines, spans, second_s)
+        calls = logs.call_ways(timelines, spans, second_s)
         if keep_dir is not None:
             keep_calibration(Path(tmp), keep_dir)
-    ways_in, ways_out = _frontend(runs, timelines)
+    ways_in, ways_out = logs.frontend_ways(runs, timelines)
     way_in, way_out = _percentiles(ways_in), _percentiles(ways_out)
     call_there, call_back = (_percentiles(ways) for ways in calls)
     handover = _percentiles(idle_handovers)
-    busy_handover = _censored_median([], busy_handovers) if len(busy_handovers) >= MIN_IDLE_HANDOVERS else None
+    busy_handover = logs.censored_median([], busy_handovers) if len(busy_handovers) >= MIN_IDLE_HANDOVERS else None
     groups = ", ".join(f"{g.count} {g.role.name} (num_cpus {g.num_cpus}, torch_threads {g.torch_threads})" for g in config.instances)
     table_every = max(1, math.ceil(len(steps) / TABLE_ROWS))  # every n-th fitted step goes in the profile
     return {
@@ -678,7 +432,7 @@ def measure_deployed(
             "frontend_latency_s the mean of the median ways in (client send to admission) and out (the router's "
             "first token to the client's); handover_fixed_s is the median time from the end of the prefill "
             "step that finished a request's context to the start of the generation step that took it up, over "
-            f"requests whose generation instance was idle in between, less the {HANDOVER_PLANE} link time of its KV "
+            f"requests whose generation instance was idle in between, less the {logs.HANDOVER_PLANE} link time of its KV "
             f"(over all passes where the loaded ones had fewer than {MIN_IDLE_HANDOVERS} such requests)"
         ),
         "fit": {

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import random
-import statistics
 import time
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from cluster.deploy.config import ClusterConfig
 from cluster.loadgen.arrivals import PoissonArrivals
 from cluster.loadgen.workloads import WorkloadConfig, build_workload
+from cluster.sim import deployment_logs as logs
 from cluster.sim.cluster import DEFAULT_RPC_LATENCY_S, SimSettings, build_instances, simulate
 from cluster.sim.link import DATA_PLANES
 from cluster.sim.profile import ProfileError, StepProfile, context_pairs
@@ -286,7 +285,7 @@ def test_the_deployed_fit_separates_a_step_alone_from_the_contention_of_the_othe
         now = start + prefill_s + 1e-3
     for name, rows in (("prefill-0", prefill), ("generation-0", generation)):
         (steps_dir / f"{name}.jsonl").write_text("".join(json.dumps(row | {"s": row["loop_s"]}) + "\n" for row in rows))
-    steps = deployed._logged_steps(steps_dir)
+    steps = logs.logged_steps(steps_dir)
     assert len(steps) == 120
     assert sorted(step.busy for step in steps).count(1.0) == 30
 
@@ -302,74 +301,12 @@ def test_the_deployed_fit_separates_a_step_alone_from_the_contention_of_the_othe
     assert quality["mean_busy_instances"] == pytest.approx(0.25)
     # Alone, the steps say nothing of contention.
     (steps_dir / "generation-0.jsonl").unlink()
-    alone, _ = deployed._fit_contended(deployed._logged_steps(steps_dir), as_profile)
+    alone, _ = deployed._fit_contended(logs.logged_steps(steps_dir), as_profile)
     assert alone.contention == 0.0
 
 
-def test_the_hand_over_is_measured_from_the_context_s_step_to_the_step_taking_it_up_on_an_idle_instance(tmp_path: Path) -> None:
-    """Since a landed hand-over's commit is reported with its first decode step's token, the router's
-    TRANSMISSION to GENERATING holds that step and the poll's way back: the measurement takes the
-    steps themselves, and leaves out requests that may have waited for a busy generation step."""
-    from cluster.sim import deployed
-
-    steps_dir = tmp_path / "steps"
-    steps_dir.mkdir()
-    prefill = [(100.000, 100.050), (101.000, 101.050)]  # (start, end): each finishes one request's context
-    # Request 1: the generation instance idle until 100.070, then a 10 ms step taking it up (20 ms
-    # after its context's end). Request 2: a step runs in between (101.055-101.075): it may have waited.
-    generation = [(100.070, 100.080), (101.055, 101.075), (101.076, 101.086)]
-    for name, spans in (("prefill-0", prefill), ("generation-0", generation)):
-        rows = [{"t": end, "ctx": 0, "pairs": 0, "seqs": 1, "dctx": 1, "s": end - start, "loop_s": end - start} for start, end in spans]
-        (steps_dir / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    timeline_path = tmp_path / "timelines.jsonl"
-
-    def record(queued: float, transmission: float, generating: float) -> dict:
-        return {"usage": {"prompt_tokens": 64}, "timeline": [
-            {"state": "QUEUED", "time_s": queued, "instance_id": None},
-            {"state": "CONTEXT_IN_PROGRESS", "time_s": queued + 0.01, "instance_id": "prefill-0"},
-            {"state": "TRANSMISSION", "time_s": transmission, "instance_id": "prefill-0"},
-            {"state": "GENERATING", "time_s": generating, "instance_id": "generation-0"},
-        ]}
-
-    # The router hears each a few ms after the step that caused it.
-    timeline_path.write_text("".join(json.dumps(r) + "\n" for r in (record(99.99, 100.053, 100.084), record(100.99, 101.053, 101.089))))
-    spans = deployed._step_spans(steps_dir)
-    assert spans["generation-0"] == sorted(generation)
-    link_s = DATA_PLANES[deployed.HANDOVER_PLANE].transfer_s(64 * 4096)
-    timelines = deployed._timelines(timeline_path)
-    idle, busy = deployed._handover_seconds(timelines, spans, 16, 4096, since_s=0.0)
-    assert idle == [pytest.approx(0.020 - link_s)]  # not 0.031: the router's span held the step
-    # Request 2 landed after the step in between started (else that step would have taken it up) and
-    # by the start of the one that did.
-    assert busy == [(pytest.approx(0.005 - link_s), pytest.approx(0.026 - link_s))]
-    assert deployed._handover_seconds(timelines, spans, 16, 4096, since_s=100.5) == ([], busy)  # the first admitted before
 
 
-def test_the_censored_median_finds_the_hand_over_of_requests_that_met_a_busy_generation_instance() -> None:
-    """A generation instance stepping back to back takes a hand-over up at the first step to start
-    after it lands: each such request gives only the interval between two step starts. The estimate
-    from such intervals alone finds the true median, where the intervals' ends and middles do not."""
-    from cluster.sim import deployed
-
-    rng = random.Random(7)
-    intervals, truths = [], []
-    for _ in range(400):
-        starts = [0.0]
-        while starts[-1] < 0.3:
-            starts.append(starts[-1] + rng.uniform(0.015, 0.035))  # decode steps, back to back
-        context_end = rng.uniform(0.05, 0.2)
-        handover = rng.uniform(0.008, 0.020)  # median 14 ms
-        truths.append(handover)
-        taken_up = next(i for i, start in enumerate(starts) if start >= context_end + handover)
-        intervals.append((max(context_end, starts[taken_up - 1]) - context_end, starts[taken_up] - context_end))
-    estimate = deployed._censored_median([], intervals)
-    assert estimate == pytest.approx(statistics.median(truths), abs=0.0015)
-    assert statistics.median(high for _, high in intervals) > 0.020  # what an upper bound would say
-    # Exact observations alone: their median; none at all: nothing.
-    assert deployed._censored_median([0.003, 0.001, 0.002], []) == 0.002
-    assert deployed._censored_median([], []) is None
-    # Mixed: the exact values pin the mass the intervals leave open.
-    assert deployed._censored_median([0.010] * 5, [(0.0, 0.030)] * 3) == pytest.approx(0.010)
 
 
 def test_steps_with_context_draw_from_their_own_spread_when_the_profile_has_one() -> None:
@@ -384,34 +321,6 @@ def test_steps_with_context_draw_from_their_own_spread_when_the_profile_has_one(
         dataclasses.replace(PROFILE, step_time_ratios=(1.0,), context_step_time_ratios=(1.1, 0.9))
 
 
-def test_step_speed_is_the_logged_steps_time_over_the_profile_s_model(tmp_path: Path) -> None:
-    from cluster.sim import deployed
-
-    profile = dataclasses.replace(PROFILE, contention=0.5)
-    steps_dir = tmp_path / "steps"
-    steps_dir.mkdir()
-    assert deployed.step_speed(steps_dir, profile) is None  # nothing logged
-    # One instance alone (no contention): steps 1.5 times the model's.
-    rows, now = [], 10.0
-    for seqs in (1, 2, 4, 8):
-        step_s = 1.5 * profile.step_s(128, context_pairs(0, 128), seqs, seqs * 64)
-        now += step_s + 1e-3
-        rows.append({"t": now, "ctx": 128, "pairs": context_pairs(0, 128), "seqs": seqs, "dctx": seqs * 64, "s": step_s, "loop_s": step_s})
-    (steps_dir / "mixed-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    assert deployed.step_speed(steps_dir, profile) == pytest.approx(1.5)
-    # Another instance mid-step through all of them (one long step from t=1): the model's contention
-    # (1 + 0.5 x 1) explains a further 1.5x, so they still ran at 1.5; that long step itself, alone
-    # as it started, ran `lone` times its model.
-    slower = [row | {"s": row["s"] * 1.5, "loop_s": row["loop_s"] * 1.5} for row in rows]
-    (steps_dir / "mixed-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in slower))
-    (steps_dir / "mixed-1.jsonl").write_text(json.dumps({"t": now + 1.0, "ctx": 0, "pairs": 0, "seqs": 1, "dctx": 1, "s": now, "loop_s": now}) + "\n")
-    lone = now / profile.step_s(0, 0, 1, 1)
-    assert deployed.step_speed(steps_dir, profile) == pytest.approx((4 * 1.5 + lone) / 5)
-    # By kind: the four context steps started contended, the decode-only one alone.
-    kinds = deployed.step_speeds_by_kind(steps_dir, profile)
-    assert kinds["all"] == (5, pytest.approx((4 * 1.5 + lone) / 5))
-    assert kinds["context"] == kinds["contended"] == (4, pytest.approx(1.5))
-    assert kinds["decode_only"] == kinds["alone"] == (1, pytest.approx(lone))
 
 
 def test_a_kept_calibration_has_its_step_logs_and_timelines(tmp_path) -> None:
@@ -489,7 +398,7 @@ def test_the_deployed_fit_holds_the_cached_token_cost_at_0_where_one_process_fit
     rows = [{"t": 10.0 + i, "ctx": s.context_tokens, "pairs": s.context_pairs, "seqs": s.decode_sequences, "dctx": s.decode_context_tokens,
              "cached": s.context_cached_tokens, "s": s.step_s, "loop_s": s.step_s} for i, s in enumerate(samples)]
     (steps_dir / "mixed-0.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    logged = deployed._logged_steps(steps_dir)
+    logged = logs.logged_steps(steps_dir)
     assert [step.sample.context_cached_tokens for step in logged] == [s.context_cached_tokens for s in samples]
     fitted, _ = deployed._fit_contended(logged, lambda coefficients, contention: dataclasses.replace(truth, contention=contention, **coefficients))
     assert fitted.prefill_s_per_cached_token == 0.0
