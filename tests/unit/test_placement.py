@@ -137,12 +137,12 @@ def test_least_loaded_breaks_ties_by_instance_id():
 def test_kv_aware_cost_terms():
     policy = KvAware(KvAwareParams(prefill_weight=2.0))
     # 150 prompt tokens = 10 blocks (rounded up), 8 cached; 40 queued prompt tokens = 3 blocks;
-    # 300 used blocks + (150 + 50) tokens held = 13 blocks.
+    # 300 used blocks + (150 + 50) tokens held = 13 blocks, of which the 8 cached are shared: 5 added.
     cost = policy.cost(
         PlacementRequest("r", 150, tuple(range(9)), 50), snap("a", free=700, queued_tokens=40).load, cached=8
     )
-    assert (cost.uncached_prompt_blocks, cost.active_prefill_blocks, cost.decode_blocks) == (2, 3, 313)
-    assert cost.cost == 2.0 * (2 + 3) + 313
+    assert (cost.uncached_prompt_blocks, cost.active_prefill_blocks, cost.decode_blocks) == (2, 3, 305)
+    assert cost.cost == 2.0 * (2 + 3) + 305
 
 
 def test_kv_aware_counts_the_contexts_in_progress_not_only_the_queued_ones():
@@ -173,10 +173,10 @@ def test_kv_aware_prefill_instance_is_charged_compute_not_memory():
     ("cached_used_blocks", "winner"),
     [
         # prompt 160 tokens = 10 blocks, decode 32 tokens -> the request holds 12 blocks.
-        # A caches 8 blocks: cost = 2 + used_A + 12; B caches nothing: cost = 10 + 40 + 12 = 62.
-        (45, "a"),  # 59 < 62: the cached prefix wins
-        (48, "a"),  # 62 == 62: tie to the smaller id
-        (55, "b"),  # 69 > 62: A's load outweighs its cache
+        # A caches 8 blocks, shared: cost = 2 + used_A + (12 - 8); B caches nothing: 10 + 40 + 12 = 62.
+        (45, "a"),  # 51 < 62: the cached prefix wins
+        (56, "a"),  # 62 == 62: tie to the smaller id
+        (57, "b"),  # 63 > 62: A's load outweighs its cache
     ],
 )
 def test_kv_aware_prefers_the_cached_prefix_unless_load_outweighs_it(cached_used_blocks, winner):
@@ -184,7 +184,23 @@ def test_kv_aware_prefers_the_cached_prefix_unless_load_outweighs_it(cached_used
     pool = [cand("a", free=1000 - cached_used_blocks), cand("b", free=960)]
     placement = KvAware().choose(req, pool, {"a": 8})
     assert placement.instance_id == winner
-    assert dict(placement.scores) == {"a": 2 + cached_used_blocks + 12, "b": 62.0}
+    assert dict(placement.scores) == {"a": 2 + cached_used_blocks + 12 - 8, "b": 62.0}
+
+
+def test_kv_aware_keeps_a_shared_prefix_on_the_instance_whose_request_already_holds_it():
+    # Two MIXED instances; a 2,048-token prefix (128 blocks) + 128-token suffix, 64 tokens out: the
+    # request holds 140 blocks. "warm" caches the prefix and runs one request on it (140 blocks in
+    # use, the prefix among them); "cold" is idle. Charging the shared prefix again made warm cost
+    # 8 + 140 + 140 = 288 against cold's 136 + 140 = 276, and the prefix was computed a second time.
+    req = request(prompt_tokens=2176, decode_tokens=64)
+    warm = cand("warm", InstanceRole.MIXED, free=1000 - 140, running=1)
+    cold = cand("cold", InstanceRole.MIXED)
+    placement = KvAware().choose(req, [cold, warm], {"warm": 128})
+    assert dict(placement.scores) == {"cold": 136 + 140, "warm": 8 + 140 + (140 - 128)}
+    assert placement.instance_id == "warm"
+    # The load still counts: with enough other requests on warm, cold wins.
+    busy = cand("warm", InstanceRole.MIXED, free=1000 - 140 * 2, running=2)
+    assert KvAware().choose(req, [cold, busy], {"warm": 128}).instance_id == "cold"
 
 
 def test_kv_aware_with_a_real_prefix_index():
@@ -198,12 +214,13 @@ def test_kv_aware_with_a_real_prefix_index():
     req = PlacementRequest("r", len(tokens), hashes, 16)
     placement = KvAware().choose(req, [Candidate(cold), Candidate(warm)], index.overlap(hashes))
     assert placement.instance_id == "warm"
-    assert placement.scores["cold"] - placement.scores["warm"] == 6
+    assert placement.scores["cold"] - placement.scores["warm"] == 6 + 6  # 6 blocks fewer to compute, and to allocate
 
 
 def test_kv_aware_clamps_an_overlap_longer_than_the_chain():
     req = request(prompt_tokens=32)  # 2 hashes
-    assert KvAware().choose(req, [cand("a")], {"a": 50}).scores["a"] == 0 + 0 + 4
+    # 2 cached blocks, not 50: nothing to compute, and 2 of the 4 blocks it holds shared.
+    assert KvAware().choose(req, [cand("a")], {"a": 50}).scores["a"] == 0 + 0 + (4 - 2)
 
 
 def test_kv_aware_temperature_sampling_is_deterministic_with_a_seed():
