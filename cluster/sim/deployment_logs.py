@@ -27,7 +27,7 @@ from cluster.sim.profile import StepProfile
 HANDOVER_PLANE = "grpc-loopback"  # the link model whose time the hand-over's control path excludes
 
 
-def timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
+def _timeline_records(timeline_path: Path) -> Iterator[dict[str, Any]]:
     """The records of the router's timeline log (`frontend.timeline_log`: one JSON object a line);
     a line that does not parse (one being written as the run ended) is skipped."""
     if not timeline_path.exists():
@@ -143,7 +143,7 @@ def request_timelines(timeline_path: Path) -> list[dict[str, Any]]:
     ("prompt_tokens"), the instance that ran its context ("context_instance") and the one that
     took up its generation ("generation_instance")."""
     out = []
-    for record in timeline_records(timeline_path):
+    for record in _timeline_records(timeline_path):
         times: dict[str, Any] = {}
         for entry in record.get("timeline", ()):
             times.setdefault(entry["state"], entry["time_s"])
@@ -232,6 +232,7 @@ def logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[LoggedStep]:
 
 
 def modelled_s(profile: StepProfile, sample: Any) -> float:
+    """The profile's model time of a logged step (a worker.profiler.StepSample), contention aside."""
     return profile.step_s(
         sample.context_tokens, sample.context_pairs, sample.decode_sequences, sample.decode_context_tokens, sample.context_cached_tokens,
     )
