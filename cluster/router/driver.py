@@ -420,6 +420,7 @@ class Router:
         flow.final = dataclasses.replace(flow.final, timeline=flow.timeline_entries(self._wall_offset_s))
         self.observer.request_ended(flow, flow.final, self._clock())
         self._requests.pop(flow.request_id, None)
+        self.fleet.forget(flow.request_id)
         if flow.client_request_id is not None and self._by_client_id.get(flow.client_request_id) == flow.request_id:
             # A client's name is unique among its live requests only (client.proto): free it. The
             # ended request stays findable by it (its request id is that name).
@@ -663,6 +664,8 @@ class Router:
         for event in batch.events:
             hop = self._hop(member, event.request_id)
             if hop is not None:
+                if member.unreported:  # this report's load counts the request (its "submitted" event at the latest)
+                    self.fleet.reported(member, hop[0].flow.request_id)
                 await self._run(hop[0], hop[0].flow.on_state(hop[1], role, event.state, event.detail, self._clock(), self.fleet))
         for output in batch.outputs:
             hop = self._hop(member, output.request_id)

@@ -12,6 +12,17 @@ change arrives, not per decision. The candidates are kept in two pools (GENERATI
 PREFILL, in instance-id order) across decisions: a decision patches in those of the members whose
 load or health changed since the last one (`invalidate`) rather than partitioning every instance,
 so whoever changes a member's load or health outside this class's methods calls `invalidate`.
+
+Placement also counts its own decisions that an instance has not reported yet. An instance reports
+its load when it answers a poll, and between two of its reports the router used to place on the
+older one alone: at 256 instances 90 % of generation placements and 68 % of prefill placements went
+to an instance whose report had not changed since the router's previous placement there, and a
+least-loaded policy sent a burst of arrivals to whichever instance looked freest. So each placement
+is added to its instances' last reports as the instance itself will report it (a hop that runs the
+context: a queued request and its prompt, also pending; a generation-only hop: a running request and
+its prompt in flight; `_with_unreported`) until a report of that instance mentions the request
+(`reported`: the report that carries its "submitted" event counts it already), the request ends
+(`forget`), or the instance is taken for dead.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import msgspec
 
 from cluster.router.api import InstanceHealthView
 from cluster.router.config import PlacementConfig
@@ -77,6 +90,9 @@ class Member:
     # stop could not reach it, and those whose submit did not answer (it may have landed).
     to_abort: set[str] = field(default_factory=set)
     failed_polls: int = 0  # polls in a row that failed with an error (not merely late)
+    # Placed here, not reported yet (the module docstring): request id -> (whether the hop runs its
+    # context here, its prompt tokens).
+    unreported: dict[str, tuple[bool, int]] = field(default_factory=dict)
 
     @property
     def instance_id(self) -> str:
@@ -102,6 +118,7 @@ class Fleet:
         self._prefill_pool = _Pool()
         self._stale: list[Member] = []
         self._pools_valid = False
+        self._unreported_on: dict[str, list[Member]] = {}  # request id -> the members it was noted on
 
     # --- registry -----------------------------------------------------------------------------------
     def register(self, client: InstanceClient, info: InstanceInfo, now_s: float, wall_s: float) -> Member:
@@ -158,6 +175,7 @@ class Fleet:
         logger.error("instance %s declared dead: %s", member.instance_id, reason)
         held = sorted(member.attempts)
         member.attempts.clear()
+        member.unreported.clear()  # what it held is gone; the flows place it again
         member.to_abort.update(held)
         return held
 
@@ -191,14 +209,41 @@ class Fleet:
         """What placement reads of an instance: its last load (before any, an idle one)."""
         info = member.info
         load = member.load or EngineLoad(info.role, info.num_blocks, info.num_blocks, info.layout.tokens_per_block)
+        if member.unreported:
+            load = _with_unreported(load, member.unreported.values())
         return InstanceSnapshot(info.instance_id, load, sequence=max(member.poll_sequence, 0))
+
+    def reported(self, member: Member, request_id: str) -> None:
+        """A report of `member` mentions the request: its load counts the request from now on."""
+        if member.unreported.pop(request_id, None) is not None:
+            self.invalidate(member)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: no instance is to count it as placed any more."""
+        for member in self._unreported_on.pop(request_id, ()):
+            if member.unreported.pop(request_id, None) is not None:
+                self.invalidate(member)
+
+    def _note(self, instance_id: str, request: PlacementRequest, *, runs_context: bool) -> None:
+        member = self.members.get(instance_id)
+        if member is None:
+            return
+        member.unreported[request.request_id] = (runs_context, request.prompt_tokens)
+        self._unreported_on.setdefault(request.request_id, []).append(member)
+        self.invalidate(member)
 
     # --- placement (FleetView) ------------------------------------------------------------------------
     def place(self, request: PlacementRequest, exclude: frozenset[str]) -> PlacementPlan:
         if exclude:  # a retry that must avoid some instances (rare): from every candidate
             candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
-            return self._placer.place(request, candidates, self.prefix.overlap(request.block_hashes), in_id_order=True)
-        return self._placer.place_pools(request, self._pools(), self.prefix.overlap(request.block_hashes))
+            plan = self._placer.place(request, candidates, self.prefix.overlap(request.block_hashes), in_id_order=True)
+        else:
+            plan = self._placer.place_pools(request, self._pools(), self.prefix.overlap(request.block_hashes))
+        context, generation = plan.context.instance_id, plan.generation.instance_id
+        self._note(context, request, runs_context=True)
+        if generation != context:
+            self._note(generation, request, runs_context=False)
+        return plan
 
     def invalidate(self, member: Member) -> None:
         """Its load or health changed: placement rebuilds its candidate, and patches it into the pools."""
@@ -260,7 +305,9 @@ class Fleet:
         """A generation instance for the request's generation hop alone; raises NoInstanceAvailable."""
         candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
         overlap = self.prefix.overlap(request.block_hashes)
-        return self._placer.choose_generation(request, candidates, overlap, in_id_order=True).instance_id
+        instance_id = self._placer.choose_generation(request, candidates, overlap, in_id_order=True).instance_id
+        self._note(instance_id, request, runs_context=False)
+        return instance_id
 
     def _candidates_excluding(self, exclude: frozenset[str]) -> Sequence[Candidate]:
         candidates = [m.candidate or self._refresh(m) for m in self._in_id_order]
@@ -296,3 +343,26 @@ class Fleet:
     def role(self, instance_id: str) -> InstanceRole:
         return self.members[instance_id].info.role
 
+
+def _with_unreported(load: EngineLoad, placed) -> EngineLoad:
+    """`load` with the placements an instance has not reported yet, as it will report them once it
+    has them (worker/engine.py Engine.load): a hop that runs its context is a queued request whose
+    prompt is queued and pending; a generation-only hop is a running request whose prompt is in
+    flight. Without the prefix events, which the prefix index has taken already."""
+    queued = queued_tokens = running = in_flight = 0
+    for runs_context, tokens in placed:
+        if runs_context:
+            queued += 1
+            queued_tokens += tokens
+        else:
+            running += 1
+            in_flight += tokens
+    return msgspec.structs.replace(
+        load,
+        prefix_events=(),
+        queued_requests=load.queued_requests + queued,
+        queued_prompt_tokens=load.queued_prompt_tokens + queued_tokens,
+        pending_context_tokens=load.pending_context_tokens + queued_tokens,
+        running_requests=load.running_requests + running,
+        tokens_in_flight=load.tokens_in_flight + in_flight,
+    )

@@ -70,6 +70,7 @@ def _history(seed: int, outcomes: dict[str, int]) -> None:
     for name in names:
         fleet.register(None, _info(name, rng.choice(ROLES), rng.choice([64, 64, 64, 8])), 0.0, 0.0)  # type: ignore[arg-type]
     sequence = 0
+    placed: list[str] = []  # requests placed and not ended
     for step in range(400):
         member = fleet.members[rng.choice(names)]
         op = rng.random()
@@ -105,15 +106,23 @@ def _history(seed: int, outcomes: dict[str, int]) -> None:
             name = f"j{step:03d}"
             names.append(name)
             fleet.register(None, _info(name, rng.choice(ROLES), 64), now, now)  # type: ignore[arg-type]
+        elif op < 0.90 and placed:  # a report mentions a placed request: its load counts it now
+            fleet.reported(member, rng.choice(placed))
+        elif op < 0.93 and placed:  # a placed request ends
+            fleet.forget(placed.pop(rng.randrange(len(placed))))
         if rng.random() < 0.5:
             continue  # several changes between two decisions
         prompt = rng.choice([16, 100, 700, 3000])  # 3000 + decode fits only the 64-block pools
         request = PlacementRequest(f"r{step}", prompt, tuple(range(1, prompt // 16 + 1)), rng.choice([0, 64]))
-        pooled, fresh = _decide(fleet, request), _decide_fresh(fleet, request)
+        # Fresh first: a decision of the fleet's counts its placement on the instances it picked
+        # (Fleet._note), which the next decision sees.
+        fresh = _decide_fresh(fleet, request)
+        pooled = _decide(fleet, request)
         assert pooled == fresh, f"seed {seed}, step {step}"
         if isinstance(pooled, tuple):
             outcomes["refused"] += 1
         else:
+            placed.append(request.request_id)
             outcomes["colocated fallback" if pooled.context.fallback is not None else "placed"] += 1
 
 
