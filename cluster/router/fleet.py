@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -344,7 +344,7 @@ class Fleet:
         return self.members[instance_id].info.role
 
 
-def _with_unreported(load: EngineLoad, placed) -> EngineLoad:
+def _with_unreported(load: EngineLoad, placed: Iterable[tuple[bool, int]]) -> EngineLoad:
     """`load` with the placements an instance has not reported yet, as it will report them once it
     has them (worker/engine.py Engine.load): a hop that runs its context is a queued request whose
     prompt is queued and pending; a generation-only hop is a running request whose prompt is in
