@@ -225,9 +225,7 @@ class Fleet:
                 self.invalidate(member)
 
     def _note(self, instance_id: str, request: PlacementRequest, *, runs_context: bool) -> None:
-        member = self.members.get(instance_id)
-        if member is None:
-            return
+        member = self.members[instance_id]  # placement picks among the members only
         member.unreported[request.request_id] = (runs_context, request.prompt_tokens)
         self._unreported_on.setdefault(request.request_id, []).append(member)
         self.invalidate(member)

@@ -237,7 +237,7 @@ def _fit_contended(steps: list[logs.LoggedStep], as_profile: Callable[[dict[str,
             break
     coefficients, quality = fit(alone(contention), trim_fraction=0.0, mean=True, without=DEPLOYED_WITHOUT)
     profile = as_profile(coefficients, contention)
-    errors = sorted(abs(step.sample.step_s / (logs.modelled_s(profile, step.sample) * profile.contended(step.busy)) - 1) for step in steps)
+    errors = sorted(abs(logs.speed_of(step, profile) - 1) for step in steps)
     quality = {
         **quality,
         # The whole model's (alone x contended) error on the logged steps; the entries above are the

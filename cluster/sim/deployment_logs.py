@@ -208,10 +208,10 @@ class LoggedStep:
 def logged_steps(steps_dir: Path, since_s: float = 0.0) -> list[LoggedStep]:
     """Every instance's logged steps that ended at or after wall-clock `since_s`, each with the
     number of the other instances (their step logs in `steps_dir`) whose logged step covers its
-    start. A step's span is [t - loop_s, t]; one instance's steps do not overlap each other."""
+    start (spans as the module docstring says)."""
     from worker.profiler import read_step_log
 
-    # Per instance: (start, end, step) of its steps by start; a step's span is [t - loop_s, t].
+    # Per instance: (start, end, step) of its steps, by start.
     spans = {
         path.stem: sorted(((ended_s - sample.step_s, ended_s, sample) for ended_s, sample in read_step_log(path)), key=lambda row: row[0])
         for path in sorted(steps_dir.glob("*.jsonl"))
