@@ -469,6 +469,8 @@ class Router:
             await self._stop_hop(stop)
             return
         if rejected is not None or unavailable is not None:
+            # Uncounted before the flow places the request again (it may pick the same instance).
+            self.fleet.submit_failed(action.instance_id, entry.flow.request_id)
             actions = entry.flow.on_submit_failed(attempt, self._clock(), self.fleet, rejected=rejected, unavailable=unavailable)
             await self._run(entry, actions)
 

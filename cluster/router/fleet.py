@@ -218,6 +218,14 @@ class Fleet:
         if member.unreported.pop(request_id, None) is not None:
             self.invalidate(member)
 
+    def submit_failed(self, instance_id: str, request_id: str) -> None:
+        """A submit of the request to the instance failed: the instance will not report it (a refused
+        submit never landed; one that could not be sent is aborted once the instance answers), so it
+        is counted there no more. Wherever the request goes next is noted by that placement."""
+        member = self.members.get(instance_id)
+        if member is not None and member.unreported.pop(request_id, None) is not None:
+            self.invalidate(member)
+
     def forget(self, request_id: str) -> None:
         """The request ended: no instance is to count it as placed any more."""
         for member in self._unreported_on.pop(request_id, ()):

@@ -102,3 +102,48 @@ def test_a_generation_hop_placed_alone_is_counted_too() -> None:
     first = fleet.choose_generation(_request("r0"), frozenset())
     second = fleet.choose_generation(_request("r1"), frozenset())
     assert {first, second} == {"g0", "g1"}
+
+
+def test_a_failed_submit_is_counted_no_more_where_it_failed() -> None:
+    fleet = _fleet("never", {"m0": InstanceRole.MIXED, "m1": InstanceRole.MIXED})
+    assert fleet.place(_request("r0"), frozenset()).generation.instance_id == "m0"
+    fleet.submit_failed("m0", "r0")  # m0 will never report r0
+    assert fleet.load_snapshot(fleet.members["m0"]).load.queued_requests == 0
+    fleet.submit_failed("gone", "r0")  # an instance removed meanwhile: nothing to uncount
+    # Placed again, on m0 once more (it looks free): counted there again, and the end of the
+    # request uncounts it.
+    assert fleet.place(_request("r0"), frozenset()).generation.instance_id == "m0"
+    assert fleet.load_snapshot(fleet.members["m0"]).load.queued_requests == 1
+    fleet.forget("r0")
+    assert fleet.load_snapshot(fleet.members["m0"]).load.queued_requests == 0
+
+
+def test_the_router_uncounts_a_submit_that_could_not_reach_its_instance() -> None:
+    import asyncio
+
+    from scripted_instance import ScriptedInstance, until
+
+    from cluster.router.api import ClientRequest
+    from cluster.router.driver import Router
+    from worker.sampling import SamplingParams
+    from worker.tokenizer import ByteTokenizer
+
+    async def run() -> None:
+        config = RouterConfig.from_dict({"health": {"dead_after_s": 25.0}, "placement": {"disaggregation": "never"}})
+        router = Router(config, ByteTokenizer(), vocab_size=264, max_seq_len=4096, tokens_per_block=16, seed=1)
+        await router.start()
+        m0, m1 = ScriptedInstance("m0", InstanceRole.MIXED), ScriptedInstance("m1", InstanceRole.MIXED)
+        try:
+            for instance in (m0, m1):
+                await router.add_instance(instance)
+            m0.fail("submit")  # m0 looks freest (it sorts first), and cannot be reached
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            handle = await router.submit(ClientRequest(None, tuple(range(40)), params, client_request_id="r"))
+            await until(lambda: m1.called("submit"))
+            members = router.fleet.members
+            assert list(members["m1"].unreported) == [handle.request_id]
+            assert members["m0"].unreported == {}  # before the fix: counted on m0 until the request ended
+        finally:
+            await router.stop()
+
+    asyncio.run(run())
