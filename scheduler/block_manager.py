@@ -683,6 +683,21 @@ class BlockManager:
                 self._sched_free += 1
 
     # --- integrity ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unlink the reuse tree: its nodes reference their parents and children, so a manager thrown
+        away while the process goes on (a simulated instance's restart) would otherwise wait for the
+        cyclic garbage collector, which a simulation keeps off (cluster/sim/vclock.py). The manager
+        holds no cache afterwards; it is not to be used again."""
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.children = {}
+            node.parent = None
+        self._roots.clear()
+        self._node_of_block.clear()
+        self._cached_free.clear()
+
     def check_integrity(self) -> None:
         """Raise BlockAccountingError if counts, free lists and the tree disagree."""
         expected = [0] * self.num_blocks

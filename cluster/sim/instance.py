@@ -244,6 +244,7 @@ class SimInstance(HandoverSide):
     def restart(self) -> None:
         """A new process under the same id (a new incarnation, empty)."""
         self.dead = False
+        self.blocks.close()  # what the old process cached is gone, and freed now (no cyclic collection runs)
         self._reset()
 
     # --- InstanceClient ----------------------------------------------------------------------------------

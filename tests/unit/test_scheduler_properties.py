@@ -195,7 +195,8 @@ def test_block_manager_random_operations_keep_integrity(tpb, num_blocks, ops, da
 @settings(max_examples=80)
 @given(scenarios(), scenarios(policies=(CapacitySchedulerPolicy.MAX_UTILIZATION,), tight=True))
 def test_hot_paths_schedule_exactly_like_the_general_path(mixed, pressured) -> None:
-    """The inlined fast paths must be pure optimisations: step-by-step identical schedules."""
+    """The inlined fast paths (and TwoLevelScheduler's decode-only shortcut, off with them) must be
+    pure optimisations: step-by-step identical schedules."""
     from scheduler.capacity import CapacityScheduler
     from scheduler.microbatch import MicroBatchScheduler
 
@@ -235,6 +236,8 @@ def _trace(scenario) -> list[tuple]:
                 [r.request_id for r in output.generation],
                 [r.request_id for r in output.disagg_generation_init],
                 [r.request_id for r in output.paused],
+                output.num_tokens,
+                output.num_admitted,
             )
         )
         executor.prepare(output)

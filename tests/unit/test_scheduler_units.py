@@ -582,3 +582,29 @@ def test_memoised_prompt_blocks_are_the_prompts_blocks_and_chain(prompt_memo) ->
     assert block_hash._prompt_blocks.cache_info().hits >= 1
     longer = LlmRequest("s", prompt + [1, 2, 3, 4, 5], 4)
     assert list(managers[0]._keys(longer)) == expected_keys + [(86, 87, 88, 1), (2, 3, 4, 5)]
+
+
+def test_a_closed_block_manager_is_freed_without_the_cyclic_collector() -> None:
+    """A simulation keeps the collector off (cluster/sim/vclock.py) and closes the manager of a
+    restarted instance: its reuse tree (nodes reference parents and children) must not linger."""
+    import gc
+
+    def thrown_away(close: bool) -> None:
+        kv = BlockManager(BlockManagerConfig(tokens_per_block=4, num_blocks=32, max_attention_window=64, enable_block_reuse=True))
+        for request_id, prompt in enumerate(([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9, 9])):
+            request = LlmRequest(request_id, prompt, 4)
+            kv.add_sequence(request)
+            kv.store_context_blocks(request)
+            kv.remove_sequence(request_id)
+        if close:
+            kv.close()
+
+    gc.collect()
+    gc.disable()
+    try:
+        thrown_away(close=False)
+        assert gc.collect() > 0  # the tree was left for the collector
+        thrown_away(close=True)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -72,6 +72,24 @@ def test_a_wait_on_nothing_is_a_deadlock_not_a_hang() -> None:
         run_virtual(main())
 
 
+def test_the_cyclic_collector_is_off_while_a_simulation_runs_and_as_it_was_afterwards() -> None:
+    import gc
+
+    async def main() -> bool:
+        await asyncio.sleep(1.0)
+        return gc.isenabled()
+
+    assert gc.isenabled()
+    assert run_virtual(main()) is False
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        assert run_virtual(main()) is False
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
+
+
 def test_step_time_is_overhead_plus_the_batch_and_zero_when_idle() -> None:
     profile = StepProfile("p", "measured", "cpu", "m", 1e-3, 1e-5, 1e-8, 1e-4, 1e-7, 2e-3, 1024)
     assert profile.step_s(0, 0, 0, 0) == 0.0
