@@ -120,6 +120,13 @@ def policy_name(params: PolicyParams) -> str:
     return str(type(params).__struct_config__.tag)
 
 
+def generation_policy_summary(placement: PlacementConfig) -> str:
+    """The generation policy by its configuration name; unset, what it stands for."""
+    if placement.generation_policy is not None:
+        return policy_name(placement.generation_policy)
+    return "least_loaded (kv_aware where requests run colocated)"
+
+
 class DisaggMode(Enum):
     """ALWAYS: every request takes the prefill hop. NEVER: every request runs colocated on a
     GENERATION/MIXED instance (a colocated deployment). CONDITIONAL: the thresholds decide."""
@@ -148,8 +155,12 @@ class FallbackKind(Enum):
 class PlacementConfig(ConfigSection, frozen=True):
     prefill_policy: PolicyParams = KvAwareParams()
     """Picks the PREFILL instance of a disaggregated request."""
-    generation_policy: PolicyParams = LeastLoadedParams()
-    """Picks the GENERATION (or MIXED) instance."""
+    generation_policy: PolicyParams | None = None
+    """Picks the GENERATION (or MIXED) instance. Unset: least_loaded picks the decode instance of a
+    request that may take the prefill hop, and kv_aware picks the instance of one that runs
+    colocated by configuration (disaggregation: never, or no PREFILL instance registered), where
+    the prompt is computed too, so its cached prefix and the prefill work waiting there count
+    (as Dynamo's KV router places in aggregated serving). Set: this policy picks every one."""
     disaggregation: DisaggMode = DisaggMode.ALWAYS
     """Whether requests take the prefill hop."""
     conditional: ConditionalDisaggConfig = ConditionalDisaggConfig()

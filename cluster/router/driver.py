@@ -54,7 +54,13 @@ from cluster.router.api import (
     RequestView,
     RouterError,
 )
-from cluster.router.config import PlacementConfig, RecoveryStep, RouterConfig, policy_name
+from cluster.router.config import (
+    PlacementConfig,
+    RecoveryStep,
+    RouterConfig,
+    generation_policy_summary,
+    policy_name,
+)
 from cluster.router.fleet import Fleet, Member
 from cluster.router.flow import Attempt, RequestFlow
 from cluster.router.instance_client import InstanceClient, InstanceRejected, InstanceUnavailable
@@ -797,6 +803,6 @@ def _placement_summary(placement: PlacementConfig) -> str:
     """The placement settings by their configuration names (`kv_aware`, not the Python class)."""
     fallbacks = ",".join(sorted(kind.value for kind in placement.allowed_fallbacks)) or "none"
     return (
-        f"prefill={policy_name(placement.prefill_policy)}, generation={policy_name(placement.generation_policy)}, "
+        f"prefill={policy_name(placement.prefill_policy)}, generation={generation_policy_summary(placement)}, "
         f"disaggregation={placement.disaggregation.value}, allowed_fallbacks={fallbacks}"
     )

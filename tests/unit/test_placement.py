@@ -493,3 +493,44 @@ def test_a_request_goes_to_an_instance_whose_kv_pool_can_hold_it_when_pools_diff
     assert placer.choose_generation(request(prompt_tokens=1000, decode_tokens=200), pool, {}).instance_id == "g-big"
     beyond = placer.place(request(prompt_tokens=5000, decode_tokens=1), pool, {})  # no pool holds it
     assert beyond.generation.instance_id == "g-small" and set(beyond.generation.scores) == {"g-big", "g-small"}
+
+
+# --- the generation policy when unset: by whether requests run colocated -------------------------------
+
+
+def _busy_and_idle_looking(role: InstanceRole) -> list[Candidate]:
+    """m0: one running request and a long prompt pending (least_loaded's pick: the freest per running
+    request); m1: four running requests, nothing pending, the request's prefix cached (kv_aware's)."""
+    return [
+        cand("m0", role, free=900, running=1, pending_tokens=3200),
+        cand("m1", role, free=800, running=4, stored=tuple(range(1000, 1010))),
+    ]
+
+
+def _overlap(candidates: list[Candidate]) -> dict[str, int]:
+    index = PrefixIndex()
+    for candidate in candidates:
+        index.apply(candidate.snapshot)
+    return index.overlap(request().block_hashes)
+
+
+def test_unset_generation_policy_places_colocated_requests_by_prefix_and_pending_prefill() -> None:
+    pool = _busy_and_idle_looking(InstanceRole.MIXED)
+    assert LeastLoaded().choose(request(), pool, _overlap(pool)).instance_id == "m0"
+    assert KvAware().choose(request(), pool, _overlap(pool)).instance_id == "m1"
+    never = PlacementConfig(disaggregation=DisaggMode.NEVER)
+    plan = Placer(never).place(request(), pool, _overlap(pool))
+    assert (plan.route, plan.generation.instance_id, plan.generation.policy) == (Route.COLOCATED, "m1", "kv_aware")
+    # No PREFILL instance registered (whatever the mode says): every request runs where it is placed.
+    fallback = PlacementConfig(allowed_fallbacks=frozenset({FallbackKind.COLOCATE_WHEN_NO_PREFILL}))
+    assert Placer(fallback).place(request(), pool, _overlap(pool)).generation.instance_id == "m1"
+
+
+def test_unset_generation_policy_places_a_decode_hop_on_load_and_a_set_one_places_every_request() -> None:
+    pool = [cand("p0", InstanceRole.PREFILL), *_busy_and_idle_looking(InstanceRole.GENERATION)]
+    plan = Placer(PlacementConfig()).place(request(), pool, _overlap(pool))
+    assert (plan.route, plan.generation.instance_id, plan.generation.policy) == (Route.DISAGGREGATED, "m0", "least_loaded")
+    mixed = _busy_and_idle_looking(InstanceRole.MIXED)
+    chosen = PlacementConfig(generation_policy=LeastLoadedParams(), disaggregation=DisaggMode.NEVER)
+    plan = Placer(chosen).place(request(), mixed, _overlap(mixed))
+    assert (plan.generation.instance_id, plan.generation.policy) == ("m0", "least_loaded")

@@ -14,7 +14,6 @@ from cluster.router.config import (
     FallbackKind,
     HealthConfig,
     KvAwareParams,
-    LeastLoadedParams,
     PlacementConfig,
     RecoveryAction,
     RecoveryConfig,
@@ -52,7 +51,8 @@ FULL = {
 def test_defaults_are_valid_and_documented_values():
     config = RouterConfig()
     assert config.placement.prefill_policy == KvAwareParams()
-    assert config.placement.generation_policy == LeastLoadedParams()
+    # Unset: least_loaded for a decode hop, kv_aware where requests run colocated (placement.py Placer).
+    assert config.placement.generation_policy is None
     assert config.placement.disaggregation is DisaggMode.ALWAYS
     assert config.placement.allowed_fallbacks == frozenset()
     assert [(s.action, s.max_attempts) for s in config.recovery.chain] == [
