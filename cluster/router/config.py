@@ -124,6 +124,8 @@ def generation_policy_summary(placement: PlacementConfig) -> str:
     """The generation policy by its configuration name; unset, what it stands for."""
     if placement.generation_policy is not None:
         return policy_name(placement.generation_policy)
+    if placement.disaggregation is DisaggMode.NEVER:
+        return "kv_aware (unset: every request runs colocated)"
     return "least_loaded (kv_aware where requests run colocated)"
 
 

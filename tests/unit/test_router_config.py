@@ -255,3 +255,13 @@ def test_chain_honours_max_attempts():
     assert [chain.next_action({A.RETRY_TRANSFER: n}) for n in range(5)] == [A.RETRY_TRANSFER] * 3 + [
         A.FAIL
     ] * 2
+
+
+def test_the_startup_line_names_what_an_unset_generation_policy_stands_for():
+    from cluster.router.config import generation_policy_summary
+
+    assert generation_policy_summary(RouterConfig().placement) == "least_loaded (kv_aware where requests run colocated)"
+    never = RouterConfig.from_dict({"placement": {"disaggregation": "never"}}).placement
+    assert generation_policy_summary(never) == "kv_aware (unset: every request runs colocated)"
+    chosen = RouterConfig.from_dict({"placement": {"generation_policy": {"name": "round_robin"}, "disaggregation": "never"}}).placement
+    assert generation_policy_summary(chosen) == "round_robin"
