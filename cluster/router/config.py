@@ -120,15 +120,6 @@ def policy_name(params: PolicyParams) -> str:
     return str(type(params).__struct_config__.tag)
 
 
-def generation_policy_summary(placement: PlacementConfig) -> str:
-    """The generation policy by its configuration name; unset, what it stands for."""
-    if placement.generation_policy is not None:
-        return policy_name(placement.generation_policy)
-    if placement.disaggregation is DisaggMode.NEVER:
-        return "kv_aware (unset: every request runs colocated)"
-    return "least_loaded (kv_aware where requests run colocated)"
-
-
 class DisaggMode(Enum):
     """ALWAYS: every request takes the prefill hop. NEVER: every request runs colocated on a
     GENERATION/MIXED instance (a colocated deployment). CONDITIONAL: the thresholds decide."""
@@ -152,6 +143,12 @@ class ConditionalDisaggConfig(ConfigSection, frozen=True):
 class FallbackKind(Enum):
     # No healthy PREFILL instance: the chosen GENERATION/MIXED instance runs the whole request.
     COLOCATE_WHEN_NO_PREFILL = "colocate_when_no_prefill"
+
+
+# What an unset `generation_policy` stands for (cluster/router/placement.py Placer): a decode hop's
+# policy, and that of a request that runs colocated by configuration.
+DEFAULT_GENERATION_POLICY: PolicyParams = LeastLoadedParams()
+DEFAULT_COLOCATED_POLICY: PolicyParams = KvAwareParams()
 
 
 class PlacementConfig(ConfigSection, frozen=True):
@@ -182,6 +179,25 @@ class PlacementConfig(ConfigSection, frozen=True):
             )
 
 
+def generation_policy_summary(placement: PlacementConfig) -> str:
+    """The generation policy by its configuration name; unset, what it stands for."""
+    if placement.generation_policy is not None:
+        return policy_name(placement.generation_policy)
+    colocated = policy_name(DEFAULT_COLOCATED_POLICY)
+    if placement.disaggregation is DisaggMode.NEVER:
+        return f"{colocated} (unset: every request runs colocated)"
+    return f"{policy_name(DEFAULT_GENERATION_POLICY)} ({colocated} where requests run colocated)"
+
+
+def placement_summary(placement: PlacementConfig) -> str:
+    """The placement settings by their configuration names (`kv_aware`, not the Python class)."""
+    fallbacks = ",".join(sorted(kind.value for kind in placement.allowed_fallbacks)) or "none"
+    return (
+        f"prefill={policy_name(placement.prefill_policy)}, generation={generation_policy_summary(placement)}, "
+        f"disaggregation={placement.disaggregation.value}, allowed_fallbacks={fallbacks}"
+    )
+
+
 # --- Recovery -----------------------------------------------------------------------------------
 
 
@@ -207,6 +223,11 @@ class RecoveryStep(ConfigSection, frozen=True):
         super().__post_init__()
         if self.action is RecoveryAction.FAIL and self.max_attempts != 1:
             raise ConfigError("max_attempts", "FAIL ends the request; it has exactly one attempt")
+
+
+def recovery_step_summary(step: RecoveryStep) -> str:
+    """"retry_transfer x2"; a step taken once is its action's name alone."""
+    return step.action.value if step.max_attempts == 1 else f"{step.action.value} x{step.max_attempts}"
 
 
 class RecoveryConfig(ConfigSection, frozen=True):

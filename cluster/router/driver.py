@@ -54,13 +54,7 @@ from cluster.router.api import (
     RequestView,
     RouterError,
 )
-from cluster.router.config import (
-    PlacementConfig,
-    RecoveryStep,
-    RouterConfig,
-    generation_policy_summary,
-    policy_name,
-)
+from cluster.router.config import RouterConfig, placement_summary, recovery_step_summary
 from cluster.router.fleet import Fleet, Member
 from cluster.router.flow import Attempt, RequestFlow
 from cluster.router.instance_client import InstanceClient, InstanceRejected, InstanceUnavailable
@@ -336,9 +330,9 @@ class Router:
             requests_by_state=dict(by_state),
             requests_by_outcome=dict(observer.outcomes),
             # client.proto's `fallbacks`: the recovery chain, the steps a failed transfer goes through.
-            fallbacks=tuple(_recovery_step(step) for step in self.config.recovery.chain),
+            fallbacks=tuple(recovery_step_summary(step) for step in self.config.recovery.chain),
             max_recovery_attempts=sum(step.max_attempts for step in self.config.recovery.chain[:-1]),
-            placement_policy=_placement_summary(placement),
+            placement_policy=placement_summary(placement),
             timestamp_s=self._wall(self._clock()),
             model=self.model_info,
             extra={
@@ -793,16 +787,3 @@ class Router:
     def transfers(self) -> Counter:
         return self.observer.transfers
 
-
-def _recovery_step(step: RecoveryStep) -> str:
-    """"retry_transfer x2"; a step taken once is its action's name alone."""
-    return step.action.value if step.max_attempts == 1 else f"{step.action.value} x{step.max_attempts}"
-
-
-def _placement_summary(placement: PlacementConfig) -> str:
-    """The placement settings by their configuration names (`kv_aware`, not the Python class)."""
-    fallbacks = ",".join(sorted(kind.value for kind in placement.allowed_fallbacks)) or "none"
-    return (
-        f"prefill={policy_name(placement.prefill_policy)}, generation={generation_policy_summary(placement)}, "
-        f"disaggregation={placement.disaggregation.value}, allowed_fallbacks={fallbacks}"
-    )

@@ -48,6 +48,8 @@ from types import MappingProxyType
 from typing import Protocol
 
 from cluster.router.config import (
+    DEFAULT_COLOCATED_POLICY,
+    DEFAULT_GENERATION_POLICY,
     ConditionalDisaggConfig,
     DisaggMode,
     FallbackKind,
@@ -528,11 +530,6 @@ def _pools_of(ordered: Sequence[Candidate]) -> Pools:
         len(generation),
         len(prefill),
     )
-
-
-# The policies an unset `generation_policy` stands for (cluster/router/config.py PlacementConfig).
-DEFAULT_GENERATION_POLICY = LeastLoadedParams()
-DEFAULT_COLOCATED_POLICY = KvAwareParams()
 
 
 class Placer:
