@@ -215,22 +215,24 @@ class Fleet:
 
     def reported(self, member: Member, request_id: str) -> None:
         """A report of `member` mentions the request: its load counts the request from now on."""
-        if member.unreported.pop(request_id, None) is not None:
-            self.invalidate(member)
+        self._unnote(member, request_id)
 
     def submit_failed(self, instance_id: str, request_id: str) -> None:
         """A submit of the request to the instance failed: the instance will not report it (a refused
         submit never landed; one that could not be sent is aborted once the instance answers), so it
         is counted there no more. Wherever the request goes next is noted by that placement."""
         member = self.members.get(instance_id)
-        if member is not None and member.unreported.pop(request_id, None) is not None:
-            self.invalidate(member)
+        if member is not None:
+            self._unnote(member, request_id)
 
     def forget(self, request_id: str) -> None:
         """The request ended: no instance is to count it as placed any more."""
         for member in self._unreported_on.pop(request_id, ()):
-            if member.unreported.pop(request_id, None) is not None:
-                self.invalidate(member)
+            self._unnote(member, request_id)
+
+    def _unnote(self, member: Member, request_id: str) -> None:
+        if member.unreported.pop(request_id, None) is not None:
+            self.invalidate(member)
 
     def _note(self, instance_id: str, request: PlacementRequest, *, runs_context: bool) -> None:
         member = self.members[instance_id]  # placement picks among the members only
