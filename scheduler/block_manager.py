@@ -682,7 +682,7 @@ class BlockManager:
             if count == 0:
                 self._sched_free += 1
 
-    # --- integrity ----------------------------------------------------------------------------
+    # --- end of life ----------------------------------------------------------------------------
     def close(self) -> None:
         """Unlink the reuse tree: its nodes reference their parents and children, so a manager thrown
         away while the process goes on (a simulated instance's restart) would otherwise wait for the
@@ -698,6 +698,7 @@ class BlockManager:
         self._node_of_block.clear()
         self._cached_free.clear()
 
+    # --- integrity ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise BlockAccountingError if counts, free lists and the tree disagree."""
         expected = [0] * self.num_blocks

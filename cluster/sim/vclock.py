@@ -122,8 +122,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 # every collection only walked live objects: a large simulated cluster holds millions (every
 # instance's prefix tree, every request in flight), and at 100,000 requests the collections took
 # 34 s of a 584 s run (302 young ones of 70 ms, 26 middle ones of 0.5 s; Python's thresholds raised
-# to a million allocations). What cycles a run does make (tracebacks of injected faults) are freed
-# once it ends, when the collector is switched back on.
+# to a million allocations). A restarted simulated instance unlinks its old prefix tree
+# (BlockManager.close), the one cycle-bound structure a run threw away; whatever cycles a run still
+# makes are freed once it ends, when the collector is switched back on.
 def run_virtual(main: Coroutine[Any, Any, T], *, start_s: float = 0.0) -> T:
     """Run `main` to completion on a fresh VirtualTimeLoop (as `asyncio.run` does on a real one)."""
     loop = VirtualTimeLoop(start_s)
