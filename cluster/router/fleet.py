@@ -309,11 +309,13 @@ class Fleet:
         self._stale.clear()
         self._pools_valid = True
 
-    def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
-        """A generation instance for the request's generation hop alone; raises NoInstanceAvailable."""
+    def choose_generation(self, request: PlacementRequest, exclude: frozenset[str], *, receives_kv: bool) -> str:
+        """A generation instance for the request's generation hop alone (`receives_kv`: a hand-over's
+        target, else a local recompute); raises NoInstanceAvailable."""
         candidates = self._candidates_excluding(exclude)  # in instance-id order, each member once
-        overlap = self.prefix.overlap(request.block_hashes)
-        instance_id = self._placer.choose_generation(request, candidates, overlap, in_id_order=True).instance_id
+        overlap = {} if receives_kv else self.prefix.overlap(request.block_hashes)  # the placer ignores it then
+        placer = self._placer
+        instance_id = placer.choose_generation(request, candidates, overlap, in_id_order=True, receives_kv=receives_kv).instance_id
         self._note(instance_id, request, runs_context=False)
         return instance_id
 

@@ -118,8 +118,9 @@ class FleetView(FleetHealth, Protocol):
         """Both hops of a request; raises NoInstanceAvailable."""
         ...
 
-    def choose_generation(self, request: PlacementRequest, exclude: frozenset[str]) -> str:
-        """A generation instance for a generation hop alone; raises NoInstanceAvailable."""
+    def choose_generation(self, request: PlacementRequest, exclude: frozenset[str], *, receives_kv: bool) -> str:
+        """A generation instance for a generation hop alone, a hand-over's target (`receives_kv`) or
+        a local recompute; raises NoInstanceAvailable."""
         ...
 
     def kv_bytes(self, instance_id: str, num_blocks: int) -> int:
@@ -379,7 +380,7 @@ class RequestFlow:
                 return
             target = self.planned_generation
             if target is None or not fleet.is_healthy(target):
-                target = self._choose_generation(fleet, frozenset())
+                target = self._choose_generation(fleet, frozenset(), receives_kv=True)
             if target is None:
                 failure = Failure(Cause.NO_INSTANCE, "no generation instance for the hand-over", kv_survives=True)
                 self._recover(actions, attempt, failure, fleet)
@@ -692,7 +693,7 @@ class RequestFlow:
         actions.append(NoteRecovery(self.request_id, action, reason))
         self.error = reason
         if action is RecoveryAction.RETRY_TRANSFER:
-            target = self._choose_generation(fleet, decision.exclude)
+            target = self._choose_generation(fleet, decision.exclude, receives_kv=True)
             if target is None:  # pragma: no cover - checked by applicability
                 self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, reason)
                 return
@@ -701,7 +702,9 @@ class RequestFlow:
             self._start(actions, fleet, Phase.GENERATION, target)
         elif action is RecoveryAction.RECOMPUTE_LOCAL:
             previous = self.generation
-            target = decision.recompute_on if decision.recompute_on is not None else self._choose_generation(fleet, decision.exclude)
+            target = decision.recompute_on
+            if target is None:
+                target = self._choose_generation(fleet, decision.exclude, receives_kv=False)
             if target is None:  # pragma: no cover - checked by applicability
                 self._end(actions, Outcome.ERROR, None, None, ErrorKind.UNAVAILABLE, reason)
                 return
@@ -750,9 +753,9 @@ class RequestFlow:
         self._start_plan(actions, fleet, plan, f"placed after waiting {waited_s:.1f}s for a healthy instance")
         return actions
 
-    def _choose_generation(self, fleet: FleetView, exclude: frozenset[str]) -> str | None:
+    def _choose_generation(self, fleet: FleetView, exclude: frozenset[str], *, receives_kv: bool) -> str | None:
         try:
-            return fleet.choose_generation(self.placement_request(), exclude)
+            return fleet.choose_generation(self.placement_request(), exclude, receives_kv=receives_kv)
         except NoInstanceAvailable:
             return None
 

@@ -64,6 +64,7 @@ from cluster.router.state import Route
 from worker.protocol import MAX_BLOCK_HASH, EngineLoad, InstanceRole
 
 logger = logging.getLogger(__name__)
+_NO_OVERLAP: Mapping[str, int] = MappingProxyType({})  # no instance caches any of the prompt
 
 
 class PlacementError(Exception):
@@ -551,6 +552,7 @@ class Placer:
             self._generation_policy if chosen is not None else build_policy(DEFAULT_COLOCATED_POLICY, rng)
         )
         self._always_colocated = config.disaggregation is DisaggMode.NEVER
+        self._always_disaggregated = config.disaggregation is DisaggMode.ALWAYS
         self._disagg = ConditionalDisagg(config.disaggregation, config.conditional)
 
     def choose_generation(
@@ -560,20 +562,30 @@ class Placer:
         overlap_blocks: Mapping[str, int],
         *,
         in_id_order: bool = False,
+        receives_kv: bool = False,
     ) -> Placement:
-        """The generation hop alone (a hand-over's target, a local recompute): no prefill needed.
-        `in_id_order`: as for `place`."""
+        """The generation hop alone: a hand-over's target (`receives_kv`: the prompt's KV comes from
+        a prefill instance) or a local recompute (it computes the prompt). `in_id_order`: as for
+        `place`."""
         _check_overlap(overlap_blocks)
         pools = _pools_of(candidates if in_id_order else _in_id_order(candidates))
-        return self._choose_generation(request, pools, overlap_blocks)
+        return self._choose_generation(request, pools, overlap_blocks, receives_kv)
 
-    def _choose_generation(self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int]) -> Placement:
+    def _choose_generation(
+        self, request: PlacementRequest, pools: Pools, overlap_blocks: Mapping[str, int], receives_kv: bool
+    ) -> Placement:
         healthy = pools.healthy_generation
         if not healthy:
             raise NoInstanceAvailable("generation", f"{pools.registered_generation} GENERATION/MIXED instance(s) registered, none healthy")
         eligible = _able_to_hold(healthy, request.prompt_tokens + request.expected_decode_tokens, pools.generation_holds_tokens)
-        colocated = self._always_colocated or not pools.registered_prefill
+        colocated = not receives_kv and (self._always_colocated or not pools.registered_prefill)
         policy = self._colocated_policy if colocated else self._generation_policy
+        if receives_kv:
+            # The receiver of a hand-over takes fresh blocks for the whole prompt (worker/engine.py
+            # _reserve) and computes none of it: a prefix it caches saves it nothing, so kv_aware
+            # must not count one. Counted, it sent a shared prefix's requests to the generation
+            # instances that had received it before, however loaded (README, placement).
+            overlap_blocks = _NO_OVERLAP
         return policy.choose_eligible(request, eligible, overlap_blocks)
 
     def place(
@@ -595,7 +607,11 @@ class Placer:
         than partitioning every instance per request: at 256 instances that was half a decision's
         time); the same decision as `place` on the candidates they were taken from."""
         _check_overlap(overlap_blocks)
-        generation = self._choose_generation(request, pools, overlap_blocks)
+        # Under `always` with a prefill instance to take the context, the generation instance is a
+        # hand-over's target. Under `conditional` its cached prefix decides whether the request runs
+        # colocated there (ConditionalDisagg), so its choice counts the prefix as for a colocated one.
+        receives_kv = self._always_disaggregated and bool(pools.healthy_prefill)
+        generation = self._choose_generation(request, pools, overlap_blocks, receives_kv)
         # The chosen one's snapshot, found by bisection: the pool is in instance-id order.
         healthy_generation = pools.healthy_generation
         index = bisect.bisect_left(healthy_generation, generation.instance_id, key=_instance_id)

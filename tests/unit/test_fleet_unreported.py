@@ -99,8 +99,8 @@ def test_a_generation_hop_placed_alone_is_counted_too() -> None:
     _report(fleet, "g0", 1, running_requests=1)
     _report(fleet, "g1", 2, running_requests=1)
     # A retried transfer picks a generation instance for the hop alone: twice in a row, not the same.
-    first = fleet.choose_generation(_request("r0"), frozenset())
-    second = fleet.choose_generation(_request("r1"), frozenset())
+    first = fleet.choose_generation(_request("r0"), frozenset(), receives_kv=True)
+    second = fleet.choose_generation(_request("r1"), frozenset(), receives_kv=True)
     assert {first, second} == {"g0", "g1"}
 
 

@@ -534,3 +534,46 @@ def test_unset_generation_policy_places_a_decode_hop_on_load_and_a_set_one_place
     chosen = PlacementConfig(generation_policy=LeastLoadedParams(), disaggregation=DisaggMode.NEVER)
     plan = Placer(chosen).place(request(), mixed, _overlap(mixed))
     assert (plan.generation.instance_id, plan.generation.policy) == ("m0", "least_loaded")
+
+
+# --- kv_aware as the policy of a hand-over's target: a cached prefix saves the receiver nothing ---------
+
+
+def _prefix_holder_and_idle() -> list[Candidate]:
+    """g0 caches the request's whole prompt and holds 15 blocks; g1 holds nothing and caches none of it.
+    Counted as if the prompt ran there, g0 costs 0 + 15 + 12 - 10 = 17 blocks against g1's 10 + 12 = 22;
+    as the receiver of the prompt's KV (fresh blocks for all of it), 15 + 12 = 27 against 12."""
+    return [
+        cand("p0", InstanceRole.PREFILL),
+        cand("g0", free=985, running=1, stored=tuple(range(1000, 1010))),
+        cand("g1"),
+    ]
+
+
+def test_kv_aware_places_a_hand_overs_target_on_load_not_on_a_prefix_it_cannot_use() -> None:
+    pool = _prefix_holder_and_idle()
+    overlap = _overlap(pool)
+    assert overlap == {"g0": 10}
+    kv_aware = KvAwareParams()
+    always = Placer(PlacementConfig(generation_policy=kv_aware, disaggregation=DisaggMode.ALWAYS))
+    plan = always.place(request(), pool, overlap)
+    assert (plan.route, plan.generation.instance_id) == (Route.DISAGGREGATED, "g1")
+    assert dict(plan.generation.scores) == {"g0": 37.0, "g1": 22.0}  # the prompt's 10 uncached blocks on both alike
+    # A hop placed alone: a hand-over's target ignores the prefix, a local recompute (which computes
+    # the prompt there) counts it.
+    assert always.choose_generation(request(), pool, overlap, receives_kv=True).instance_id == "g1"
+    assert always.choose_generation(request(), pool, overlap).instance_id == "g0"
+    # `conditional` counts it: the prefix there may run the request colocated (mostly cached).
+    conditional = Placer(PlacementConfig(
+        generation_policy=kv_aware, disaggregation=DisaggMode.CONDITIONAL, conditional=ConditionalDisaggConfig(0, 0.5)
+    ))
+    plan = conditional.place(request(), pool, overlap)
+    assert (plan.route, plan.generation.instance_id, plan.decision.reason) == (Route.COLOCATED, "g0", DisaggReason.MOSTLY_CACHED)
+    # No healthy PREFILL instance, and the fallback allowed: the request runs where it is placed.
+    fallback = PlacementConfig(
+        generation_policy=kv_aware, disaggregation=DisaggMode.ALWAYS,
+        allowed_fallbacks=frozenset({FallbackKind.COLOCATE_WHEN_NO_PREFILL}),
+    )
+    without_prefill = [cand("p0", InstanceRole.PREFILL, health=InstanceHealth.UNHEALTHY), *pool[1:]]
+    plan = Placer(fallback).place(request(), without_prefill, overlap)
+    assert (plan.route, plan.generation.instance_id) == (Route.COLOCATED, "g0")

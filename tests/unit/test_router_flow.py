@@ -581,3 +581,42 @@ def test_a_small_transfer_that_stalls_is_retried_at_the_speed_of_its_size() -> N
     big = to_state(S.TRANSMISSION)
     big.hop(Phase.GENERATION).reserved_bytes = 10**12
     assert big.apply(lambda f, t, fl: f.on_tick(big.now + TIMEOUTS["transfer_s"] - 0.1, fl)) == []
+
+
+def test_a_hand_overs_target_is_chosen_as_a_receiver_of_kv_and_a_recompute_as_computing_the_prompt() -> None:
+    """kv_aware counts a cached prefix only where the prompt is computed (cluster/router/placement.py
+    Placer.choose_generation): the flow says which a hop alone is."""
+    chosen: list[tuple[str, bool]] = []
+
+    def recording(fleet: Fleet) -> Fleet:
+        choose = fleet.choose_generation
+
+        def choose_generation(request, exclude, *, receives_kv):
+            instance_id = choose(request, exclude, receives_kv=receives_kv)
+            chosen.append((instance_id, receives_kv))
+            return instance_id
+
+        fleet.choose_generation = choose_generation  # type: ignore[method-assign]
+        return fleet
+
+    members = (("p0", InstanceRole.PREFILL), ("p1", InstanceRole.PREFILL), ("g0", InstanceRole.GENERATION), ("g1", InstanceRole.GENERATION))
+    # A retried transfer: a new receiver of the prefill instance's KV.
+    run = to_state(S.TRANSMISSION, fleet=recording(fleet_of(*members)))
+    run.apply(_hop_error(run))
+    assert recoveries(run) == [RecoveryAction.RETRY_TRANSFER] and chosen == [("g1", True)]
+    # The planned receiver unhealthy when the context is done: another receiver.
+    chosen.clear()
+    run = to_state(S.CONTEXT_IN_PROGRESS, fleet=recording(fleet_of(*members)))
+    planned = run.flow.planned_generation
+    set_health(run.fleet, planned, False)
+    prefill = run.hop(Phase.PREFILL)
+    run.apply(lambda f, t, fl: f.on_output(prefill, output(prefill, (5,), context_done=True), t, fl))
+    assert chosen == [("g1" if planned == "g0" else "g0", True)]
+    # A local recompute placed anew (no generation instance to recompute on): it computes the prompt.
+    chosen.clear()
+    chain = [{"action": "recompute_local"}, {"action": "fail"}]
+    fleet = recording(fleet_of(("p0", InstanceRole.PREFILL), ("g0", InstanceRole.GENERATION), ("g1", InstanceRole.GENERATION), cfg=config(chain)))
+    run = to_state(S.CONTEXT_IN_PROGRESS, fleet=fleet, cfg=config(chain))
+    run.apply(_hop_error(run))
+    assert recoveries(run) == [RecoveryAction.RECOMPUTE_LOCAL]
+    assert [receives_kv for _, receives_kv in chosen] == [False]
