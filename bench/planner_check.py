@@ -18,6 +18,12 @@ the real best when its real goodput is at most one grid step below it.
 Figures: `<mix>_<split>_sim_rate_per_s`, `<mix>_<split>_real_goodput_per_s`,
 `<mix>_<split>_real_highest_pass_per_s`, `<mix>_<split>_real_attainment` (per grid rate), `<mix>_picked`,
 `<mix>_real_best`, `<mix>_picked_within_one_step` (1 or 0), `<mix>_plan_wall_s`, `<mix>_real_wall_s`.
+Why a split missed, per grid rate (`<mix>_<split>_real_misses`): the share of requests over the TTFT
+SLO and over the TPOT SLO (a request can be both), TTFT p90 and TPOT p90, and the p50 / p90 of the
+second-token gap, from a request's first token to its second, which holds a handed-over request's
+hand-over (the prefill-heavy mix has 4 output tokens: its TPOT is the mean of 3 gaps, the first of
+them that one). A split that fails at every rate shows here whether its prompts queued (TTFT) or its
+hand-overs were slow (the gap, and TPOT).
 
     python bench/planner_check.py [--quick] [--requests N] [--profile P | --measure [--save-profile FILE]]
 """
@@ -40,7 +46,7 @@ keep_ray_on_loopback()  # before anything imports Ray: the real runs start an em
 from bench._common import Target, emit_result, print_table, progress  # noqa: E402
 from cluster.cli.bench import BenchSettings, run_points  # noqa: E402
 from cluster.loadgen.arrivals import PoissonArrivals  # noqa: E402
-from cluster.loadgen.metrics import Slo  # noqa: E402
+from cluster.loadgen.metrics import Distribution, Slo  # noqa: E402
 from cluster.loadgen.runner import SamplingSpec  # noqa: E402
 from cluster.loadgen.workloads import WorkloadConfig, WorkloadKind, build_workload  # noqa: E402
 from cluster.sim.catalog import load_profile  # noqa: E402
@@ -56,14 +62,48 @@ INSTANCES = 4
 ATTAINMENT = 0.9
 SLO = Slo(ttft_ms=500.0, tpot_ms=25.0)
 GRID = (0.3, 0.45, 0.6, 0.8, 1.0, 1.25, 1.6, 2.0)  # x the highest simulated maximum of the splits
+MISS_COLUMNS = ("failed", "over_ttft", "over_tpot", "ttft_p90_ms", "tpot_p90_ms", "second_token_gap_p50_ms", "second_token_gap_p90_ms")
 MIXES = {  # bench/sim_validation.py's shapes
     "prefill_heavy": (768, 4),
     "decode_heavy": (48, 96),
 }
 
 
-def real_goodput(config, workload: WorkloadConfig, rates: list[float], seed: int) -> tuple[float, list[float]]:
-    """The split's highest grid rate below its first failure, and the attainment at each rate."""
+def second_token_gaps_s(records) -> list[float]:
+    """Per completed request of two or more output tokens: seconds from its first token's arrival to
+    its second's (0 when one message carried both)."""
+    gaps = []
+    for record in records:
+        if not record.ok or record.output_tokens < 2 or not record.chunk_times_s:
+            continue
+        if record.chunk_tokens[0] >= 2:
+            gaps.append(0.0)
+        elif len(record.chunk_times_s) >= 2:
+            gaps.append(record.chunk_times_s[1] - record.chunk_times_s[0])
+    return gaps
+
+
+def misses(records, metrics) -> dict[str, float | None]:
+    """Why the requests of one point missed the SLOs (the module docstring)."""
+    done = [record for record in records if record.ok]
+    over_ttft = sum(1 for r in done if r.ttft_s is None or r.ttft_s * 1000.0 > SLO.ttft_ms)
+    over_tpot = sum(1 for r in done if r.tpot_s is not None and r.tpot_s * 1000.0 > SLO.tpot_ms)
+    gaps = Distribution.of_seconds(second_token_gaps_s(done))
+    count = max(1, len(records))
+    return {
+        "failed": round((len(records) - len(done)) / count, 3),
+        "over_ttft": round(over_ttft / count, 3),
+        "over_tpot": round(over_tpot / count, 3),
+        "ttft_p90_ms": None if metrics.ttft_ms is None else round(metrics.ttft_ms.p90, 1),
+        "tpot_p90_ms": None if metrics.tpot_ms is None else round(metrics.tpot_ms.p90, 1),
+        "second_token_gap_p50_ms": None if gaps is None else round(gaps.p50, 1),
+        "second_token_gap_p90_ms": None if gaps is None else round(gaps.p90, 1),
+    }
+
+
+def real_goodput(config, workload: WorkloadConfig, rates: list[float], seed: int) -> tuple[float, list[float], list[dict]]:
+    """The split's highest grid rate below its first failure, the attainment at each rate, and why
+    each rate's requests missed (`misses`)."""
     from cluster.deploy.embedded import BackgroundCluster
 
     settings = BenchSettings(
@@ -78,7 +118,7 @@ def real_goodput(config, workload: WorkloadConfig, rates: list[float], seed: int
         if attained < ATTAINMENT:
             break
         goodput = rate
-    return goodput, attainments
+    return goodput, attainments, [misses(point.outcome.records, point.metrics) for point in points]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, object] = {"profile": profile_name, "instances": INSTANCES, "slo": {"ttft_ms": SLO.ttft_ms, "tpot_ms": SLO.tpot_ms},
                                   "attainment": ATTAINMENT, "requests_per_point": count}
     rows = []
+    miss_rows: list[list] = []
     within = 0
     for mix, (prompt, output) in mixes.items():
         workload = WorkloadConfig(kind=WorkloadKind.FIXED, num_requests=count, input_len=prompt, output_len=output)
@@ -130,8 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             candidate = result.candidate
             split = f"{candidate.num_prefill}P:{candidate.num_generation}D" if candidate.num_prefill else f"{INSTANCES}MIXED"
             progress(f"{mix} {split}: real runs at {rates} req/s ...")
-            goodput, attainments = real_goodput(candidate.config(base), workload, rates, args.seed)
+            goodput, attainments, why = real_goodput(candidate.config(base), workload, rates, args.seed)
             real[candidate] = goodput
+            figures[f"{mix}_{split}_real_misses"] = why
+            for rate, attained, missed in zip(rates, attainments, why, strict=True):
+                miss_rows.append([mix, split, rate, attained, *(missed[key] for key in MISS_COLUMNS)])
             figures[f"{mix}_{split}_sim_rate_per_s"] = round(result.max_rate_per_s, 3)
             figures[f"{mix}_{split}_real_goodput_per_s"] = goodput
             figures[f"{mix}_{split}_real_attainment"] = [round(a, 3) for a in attainments]
@@ -150,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"{mix}_real_best"] = real_best.label
         figures[f"{mix}_picked_within_one_step"] = int(ok)
     print(f"{INSTANCES} instances, profile {profile_name}, SLO TTFT {SLO.ttft_ms:g} ms / TPOT {SLO.tpot_ms:g} ms for {ATTAINMENT:.0%}")
+    print_table(["mix", "split", "rate req/s", "attained", *MISS_COLUMNS], [["-" if c is None else c for c in row] for row in miss_rows])
     print_table(["mix", "split", "sim max req/s", "real goodput req/s", "real attainment per grid rate", ""], rows)
     emit_result(BENCH, figures, {"mixes_picked_within_one_step": Target(within, len(mixes), True)})
     return 0
