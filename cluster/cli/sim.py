@@ -44,6 +44,8 @@ from cluster.sim.cluster import (
     InstanceDeath,
     SimOutcome,
     SimSettings,
+    has_instance,
+    instance_ids_summary,
     pool_shortfalls,
     pool_summary,
     refused_at_admission,
@@ -135,7 +137,13 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         value = getattr(args, role.name.lower(), None)
         if value is not None:
             counts[role] = value
-    return config.with_instances(counts) if counts else config
+    if not counts:
+        return config
+    try:
+        return config.with_instances(counts)
+    except ConfigError as error:  # e.g. PREFILL instances and nothing to hand over to
+        detail = error.detail if error.path == "instances" else str(error)
+        raise CliError(f"--instances: {detail}", EXIT_USAGE) from None
 
 
 def profile_pool(config: ClusterConfig, profile: StepProfile, command: str) -> ClusterConfig:
@@ -237,6 +245,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--dataset: {error.message}", EXIT_USAGE) from None
     sim = sim_settings(args, dataclasses.replace(settings.sampling, timeout_s=None), settings.seed)
     config = profile_pool(cluster_config(args), sim.profile, "duet sim")
+    for death in sim.deaths:  # before any point runs, not when the first one starts
+        if not has_instance(config, death.instance_id):
+            raise CliError(f"--kill: no instance {death.instance_id!r} (instances: {instance_ids_summary(config)})", EXIT_USAGE)
     results: list[PointResult] = []
     outcomes: list[SimOutcome] = []
     for position, point in enumerate(settings.points):

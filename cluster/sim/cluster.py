@@ -211,6 +211,25 @@ def pool_shortfalls(
     return shortfalls
 
 
+def instance_id(role_name: str, index: int) -> str:
+    """A simulated instance's id (what `duet sim --kill` names): its role in lower case and its index
+    within the role's group."""
+    return f"{role_name.lower()}-{index}"
+
+
+def instance_ids_summary(config: ClusterConfig) -> str:
+    """The ids `config` simulates, a range per group: "prefill-0 to prefill-63, generation-0 to ..."."""
+    return ", ".join(
+        instance_id(group.role.name, 0) if group.count == 1
+        else f"{instance_id(group.role.name, 0)} to {instance_id(group.role.name, group.count - 1)}"
+        for group in config.instances if group.count
+    )
+
+
+def has_instance(config: ClusterConfig, wanted: str) -> bool:
+    return any(wanted == instance_id(group.role.name, index) for group in config.instances for index in range(group.count))
+
+
 def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[SimInstance], SimNetwork]:
     # Every request's prompt is cut into blocks and hashed by the router and both its instances, all
     # in this process: each prompt once, for the last PROMPT_MEMO prompts (a request's generation
@@ -222,13 +241,13 @@ def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[
     for group in config.instances:
         engine = config.engine_config(group)
         for index in range(group.count):
-            instance_id = f"{group.role.name.lower()}-{index}"
+            name = instance_id(group.role.name, index)
             instances.append(
                 SimInstance(
-                    instance_id, engine, settings.profile, network,
+                    name, engine, settings.profile, network,
                     vocab_size=SIM_VOCAB_SIZE, max_seq_len=settings.max_seq_len, rpc_latency_s=settings.rpc_s,
                     stream_interval_s=engine.stream_interval_ms / 1e3 if settings.stream_interval_s is None else settings.stream_interval_s,
-                    rng=random.Random(f"{settings.seed}:{instance_id}"),
+                    rng=random.Random(f"{settings.seed}:{name}"),
                 )
             )
     return instances, network

@@ -228,6 +228,16 @@ def test_duet_sim_names_a_bad_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--instances", "3X"]) == 2
     assert "--instances" in capsys.readouterr().err
     assert main(["sim", "--profile", "nope"]) == 2
+    capsys.readouterr()
+    # A cluster the configuration refuses, and an instance to kill that it does not have: a usage
+    # error naming the flag, before anything is simulated.
+    assert main(["sim", "--instances", "1P"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "duet sim: --instances: PREFILL instances need a GENERATION or MIXED instance to hand over to"
+    )
+    assert main(["sim", "--instances", "2P,3G", "--kill", "mixed-0@1", "--kill", "generation-2@1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "duet sim: --kill: no instance 'mixed-0' (instances: prefill-0 to prefill-1, generation-0 to generation-2)"
 
 
 def test_duet_sim_and_plan_say_when_the_kv_pool_cannot_hold_the_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
