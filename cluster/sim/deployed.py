@@ -43,9 +43,7 @@ hand-over around them cost more (bench/sim_validation.py measured both). So `due
    busy), over those of the first pass as well. `handover_busy_s`, the median of the loaded passes'
    hand-overs to a busy generation instance (each known only to an interval: deployment_logs.censored_median),
    where there are MIN_IDLE_HANDOVERS of them: they take longer (the receiver shares the instance's
-   cores), and the simulator charges it to a push whose receiver is mid-step. `handover_time_ratios`,
-   the idle hand-overs over their median at SPREAD_POINTS quantiles (where there are
-   MIN_IDLE_HANDOVERS of them): how the control path spreads, which the simulator draws from.
+   cores), and the simulator charges it to a push whose receiver is mid-step.
 
 The profile's `fit` records all of it: the configuration, the passes and their fits, the
 percentiles of every control-path measurement, the host's load average before and after.
@@ -282,17 +280,6 @@ def _spread(steps: list[logs.LoggedStep], profile: StepProfile, points: int = SP
     return [round(r / mean, 4) for r in picked]
 
 
-def _ratios_to_median(values: list[float], points: int = SPREAD_POINTS) -> list[float]:
-    """`values` over their median at the quantiles (i + 0.5) / points (StepProfile.handover_time_ratios);
-    [] when the median is 0 (nothing to scale)."""
-    ordered = sorted(values)
-    median = statistics.median(ordered)
-    if not median > 0:
-        return []
-    picked = [ordered[min(len(ordered) - 1, int((i + 0.5) / points * len(ordered)))] for i in range(points)]
-    return [round(v / median, 4) for v in picked]
-
-
 def measure_deployed(
     config: ClusterConfig | None = None,
     *,
@@ -429,8 +416,6 @@ def measure_deployed(
         "contention": fitted.contention,
         "handover_fixed_s": handover.get("p50", 0.0),
         "handover_busy_s": busy_handover,
-        # How the idle hand-overs spread around their median, where there are enough of them.
-        "handover_time_ratios": _ratios_to_median(idle_handovers) if len(idle_handovers) >= MIN_IDLE_HANDOVERS else [],
         "kv_bytes_per_token": kv_bytes_per_token,
         "combine": "sum",
         "step_time_ratios": ratios,

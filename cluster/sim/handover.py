@@ -5,7 +5,7 @@ reservation notice (DISAGG_GENERATION_TRANS_IN_PROGRESS) that expires after
 engine.reservation_timeout_s without a commit; a committed transfer makes the request generate from
 the next step. Sending side: a context-only request whose context is done holds its blocks for
 engine.sender_lease_s; a push takes the link model's time (cluster/sim/link.py) plus the profile's
-control-path cost (a draw from its spread, where the profile has one), with the deployment's fault plan (worker/kv_transfer/faults.py) drawn per
+control-path cost, with the deployment's fault plan (worker/kv_transfer/faults.py) drawn per
 transfer and chunk as the real sender and receiver draw them, and ends with a push result for the
 router. worker/handover.py and worker/kv_transfer/ are what this models.
 
@@ -98,8 +98,6 @@ class HandoverSide:
         busy_s = self.profile.handover_busy_s
         if busy_s is not None and receiver is not None and receiver._stepping:
             control_s = busy_s  # the receiver is mid-step: it takes the KV in on shared cores
-        if self.profile.handover_time_ratios:  # drawn only then: a profile without keeps its runs as they were
-            control_s *= self.profile.handover_factor(self._rng.random())
         failure: tuple[FailureReason, str] | None = None
         kill: HandoverSide | None = None
         extra_s = 0.0

@@ -30,13 +30,7 @@ weights' read being in `overhead_s`). A KV hand-over costs `handover_fixed_s` of
 (Prepare and Commit round trips) plus the link's time for `kv_bytes_per_token` x its tokens
 (cluster/sim/link.py); `handover_busy_s`, where a deployed profile measured it, instead when the
 receiving instance is mid-step as the push starts (it takes the KV in on cores its step is using:
-1.4-2.4x the idle figure on this 2-core host). `handover_time_ratios`, where a deployed profile
-measured enough hand-overs, is how that control path spreads: each measured hand-over to an idle
-instance over their median, at evenly spaced quantiles (so 1.0 in the middle, not mean 1: the
-control-path figures are medians). A simulated push draws its factor from it (seeded) and scales
-whichever of the two figures it pays. The spread decides a short request's TPOT: with 4 output
-tokens, the first of TPOT's 3 gaps holds the hand-over (bench/planner_check.py, the second-token
-gap: p50 21-25 ms and p90 25-62 ms on 1 PREFILL + 3 GENERATION here, 2026-12-07).
+1.4-2.4x the idle figure on this 2-core host).
 
 A profile measured as deployed (`duet profile --deployed`, cluster/sim/deployed.py) also carries
 how its steps' times spread around the model, `step_time_ratios` (measured / modelled, at evenly
@@ -109,10 +103,6 @@ class StepProfile:
     # The hand-over's control path when the receiving instance is mid-step as the push starts (it
     # shares that instance's cores): None for handover_fixed_s whatever the receiver does.
     handover_busy_s: float | None = None
-    # How a hand-over's control path spreads (the module docstring): measured over median at the
-    # quantiles (i + 0.5) / n, ascending, each >= 0 (a hand-over can take no time beyond its link's);
-    # () for none: every push pays its figure exactly.
-    handover_time_ratios: tuple[float, ...] = ()
     # One instance's KV pool on the profiled device, for instances whose configuration sizes none
     # (cluster/sim/cluster.py with_profile_pool): a roofline's estimate of device memory less the
     # weights; None for measured profiles, whose engine configuration is the one measured.
@@ -135,10 +125,6 @@ class StepProfile:
             if any(not isinstance(r, (int, float)) or not r > 0 for r in ratios) or list(ratios) != sorted(ratios):
                 raise ProfileError(f"{name}: ascending numbers > 0, got {getattr(self, name)!r}")
             object.__setattr__(self, name, ratios)  # a JSON list becomes the tuple it stands for
-        ratios = tuple(self.handover_time_ratios)
-        if any(not isinstance(r, (int, float)) or r < 0 for r in ratios) or list(ratios) != sorted(ratios):
-            raise ProfileError(f"handover_time_ratios: ascending numbers >= 0, got {self.handover_time_ratios!r}")
-        object.__setattr__(self, "handover_time_ratios", ratios)
         if self.context_step_time_ratios and not self.step_time_ratios:
             raise ProfileError("context_step_time_ratios without step_time_ratios (the spread of the other steps)")
         for name in ("rpc_latency_s", "frontend_latency_s", "handover_busy_s"):
@@ -178,12 +164,16 @@ class StepProfile:
         ends held): a simulated step takes `step_s` times this for a uniform draw `u`, from
         `context_step_time_ratios` for a step that runs context if the profile has them, else from
         `step_time_ratios`; 1.0 if the profile lists no spread."""
-        return _at_quantile((runs_context and self.context_step_time_ratios) or self.step_time_ratios, u)
-
-    def handover_factor(self, u: float) -> float:
-        """The factor on a hand-over's control path at quantile `u` in [0, 1) of
-        `handover_time_ratios` (as `step_factor`); 1.0 if the profile lists no spread."""
-        return _at_quantile(self.handover_time_ratios, u)
+        ratios = (runs_context and self.context_step_time_ratios) or self.step_time_ratios
+        if not ratios:
+            return 1.0
+        position = u * len(ratios) - 0.5
+        if position <= 0:
+            return ratios[0]
+        if position >= len(ratios) - 1:
+            return ratios[-1]
+        below = int(position)
+        return ratios[below] + (ratios[below + 1] - ratios[below]) * (position - below)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, **asdict(self)}
@@ -203,20 +193,6 @@ class StepProfile:
             return cls(**fields)
         except TypeError as error:
             raise ProfileError(str(error)) from None
-
-
-def _at_quantile(ratios: tuple[float, ...], u: float) -> float:
-    """`ratios` (listed at the quantiles (i + 0.5) / n) at quantile `u`: linear between the listed
-    quantiles, the ends held; 1.0 for none."""
-    if not ratios:
-        return 1.0
-    position = u * len(ratios) - 0.5
-    if position <= 0:
-        return ratios[0]
-    if position >= len(ratios) - 1:
-        return ratios[-1]
-    below = int(position)
-    return ratios[below] + (ratios[below + 1] - ratios[below]) * (position - below)
 
 
 def context_pairs(cached_tokens: int, chunk_tokens: int) -> int:

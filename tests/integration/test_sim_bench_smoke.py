@@ -68,9 +68,6 @@ def test_sim_validation_quick_and_its_replay(tmp_path) -> None:
     # The quick calibration's generation instance is rarely idle in its loaded pass; the hand-over is
     # still measured (from the first pass too), not left at 0 as it was.
     assert stored["profiles"]["1p1g"]["handover_fixed_s"] > 0
-    # Its spread is in the profile: [] where the quick calibration saw too few idle hand-overs.
-    ratios = stored["profiles"]["1p1g"]["handover_time_ratios"]
-    assert ratios == sorted(ratios) and all(ratio >= 0 for ratio in ratios)
     replayed, _ = run_bench("sim_validation.py", "--replay", str(tmp_path / "real_runs.json"), timeout_s=120)
     again = replayed["figures"]
     # The simulation is seeded: against the same real runs it makes the same errors.

@@ -402,20 +402,3 @@ def test_the_deployed_fit_holds_the_cached_token_cost_at_0_where_one_process_fit
     assert [step.sample.context_cached_tokens for step in logged] == [s.context_cached_tokens for s in samples]
     fitted, _ = deployed._fit_contended(logged, lambda coefficients, contention: dataclasses.replace(truth, contention=contention, **coefficients))
     assert fitted.prefill_s_per_cached_token == 0.0
-
-
-def test_a_hand_overs_spread_is_its_measured_times_over_their_median() -> None:
-    """`handover_time_ratios` (cluster/sim/profile.py): checked, round-tripped, read at a quantile as
-    the step spreads are; measured as the idle hand-overs over their median (deployed.py)."""
-    from cluster.sim.deployed import _ratios_to_median
-
-    spread = dataclasses.replace(PROFILE, handover_time_ratios=(0.0, 1.0, 3.0))
-    assert [spread.handover_factor(u) for u in (0.0, 1 / 6, 1 / 3, 0.5, 0.99)] == pytest.approx([0.0, 0.0, 0.5, 1.0, 3.0])
-    assert PROFILE.handover_factor(0.7) == 1.0  # none listed: the figure itself
-    assert StepProfile.from_dict(json.loads(json.dumps(spread.to_dict()))) == spread
-    for bad in ((1.0, 0.5), (-0.1, 1.0), ("slow",)):
-        with pytest.raises(ProfileError, match="handover_time_ratios"):
-            dataclasses.replace(PROFILE, handover_time_ratios=bad)
-    # 10 hand-overs of 1..10 ms: median 5.5 ms; 5 quantiles (0.1, 0.3, 0.5, 0.7, 0.9) pick 2, 4, 6, 8, 10 ms.
-    assert _ratios_to_median([i / 1000 for i in range(10, 0, -1)], points=5) == pytest.approx([2 / 5.5, 4 / 5.5, 6 / 5.5, 8 / 5.5, 10 / 5.5], abs=1e-4)
-    assert _ratios_to_median([0.0, 0.0, 0.0, 0.004]) == []  # a median of 0 scales nothing
