@@ -583,8 +583,9 @@ class Placer:
         if receives_kv:
             # The receiver of a hand-over takes fresh blocks for the whole prompt (worker/engine.py
             # _reserve) and computes none of it: a prefix it caches saves it nothing, so kv_aware
-            # must not count one. Counted, it sent a shared prefix's requests to the generation
-            # instances that had received it before, however loaded (README, placement).
+            # must not count one. Counted, it favoured the instances that had received the prefix
+            # before, for nothing (README, placement: an effect the simulation did not resolve, as
+            # receivers soon cache every hot prefix).
             overlap_blocks = _NO_OVERLAP
         return policy.choose_eligible(request, eligible, overlap_blocks)
 

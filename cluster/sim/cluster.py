@@ -227,6 +227,7 @@ def instance_ids_summary(config: ClusterConfig) -> str:
 
 
 def has_instance(config: ClusterConfig, wanted: str) -> bool:
+    """Whether `config` simulates an instance of id `wanted` (instance_id)."""
     return any(wanted == instance_id(group.role.name, index) for group in config.instances for index in range(group.count))
 
 
