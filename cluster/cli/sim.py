@@ -44,8 +44,7 @@ from cluster.sim.cluster import (
     InstanceDeath,
     SimOutcome,
     SimSettings,
-    has_instance,
-    instance_ids_summary,
+    check_deaths,
     pool_shortfalls,
     pool_summary,
     refused_at_admission,
@@ -245,9 +244,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--dataset: {error.message}", EXIT_USAGE) from None
     sim = sim_settings(args, dataclasses.replace(settings.sampling, timeout_s=None), settings.seed)
     config = profile_pool(cluster_config(args), sim.profile, "duet sim")
-    for death in sim.deaths:  # before any point runs, not when the first one starts
-        if not has_instance(config, death.instance_id):
-            raise CliError(f"--kill: no instance {death.instance_id!r} (instances: {instance_ids_summary(config)})", EXIT_USAGE)
+    try:
+        check_deaths(config, sim.deaths)  # before any point runs, not when the first one starts
+    except ValueError as error:
+        raise CliError(f"--kill: {error}", EXIT_USAGE) from None
     results: list[PointResult] = []
     outcomes: list[SimOutcome] = []
     for position, point in enumerate(settings.points):

@@ -226,9 +226,12 @@ def instance_ids_summary(config: ClusterConfig) -> str:
     )
 
 
-def has_instance(config: ClusterConfig, wanted: str) -> bool:
-    """Whether `config` simulates an instance of id `wanted` (instance_id)."""
-    return any(wanted == instance_id(group.role.name, index) for group in config.instances for index in range(group.count))
+def check_deaths(config: ClusterConfig, deaths: Sequence[InstanceDeath]) -> None:
+    """Raise ValueError for a death of an instance `config` does not simulate (instance_id)."""
+    known = {instance_id(group.role.name, index) for group in config.instances for index in range(group.count)}
+    for death in deaths:
+        if death.instance_id not in known:
+            raise ValueError(f"no instance {death.instance_id!r} (instances: {instance_ids_summary(config)})")
 
 
 def build_instances(config: ClusterConfig, settings: SimSettings) -> tuple[list[SimInstance], SimNetwork]:
@@ -268,6 +271,7 @@ async def simulate_async(
     """`on_done(record)` for each request as it ends; `on_start(loop_time_s)` when the first request
     could be sent (the instances registered): the time the arrivals' offsets count from;
     `instances_out` receives the simulated instances (their stats, should the run be cancelled)."""
+    check_deaths(config, settings.deaths)  # before any work
     loop = asyncio.get_running_loop()
     wall_started = time.perf_counter()
     instances, network = build_instances(config, settings)
@@ -289,9 +293,7 @@ async def simulate_async(
     by_id = {instance.instance_id: instance for instance in instances}
     started_s = loop.time()
     for death in settings.deaths:
-        instance = by_id.get(death.instance_id)
-        if instance is None:
-            raise ValueError(f"deaths: no instance {death.instance_id!r} (instances: {', '.join(by_id)})")
+        instance = by_id[death.instance_id]  # check_deaths
         loop.call_at(started_s + death.at_s, instance.kill)
         if death.restart_after_s is not None:
             loop.call_at(started_s + death.at_s + death.restart_after_s, instance.restart)

@@ -186,6 +186,10 @@ def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovere
     # before the health bound's silence, and the run went on after it.
     assert outcome.virtual_s > settings.deaths[0].at_s + 2 * min(0.2, config.router.health.heartbeat_interval_s)
     assert outcome.wall_s < 30
+    # A death of an instance the cluster does not have is refused before anything runs.
+    unknown = SimSettings(PROFILE, deaths=(InstanceDeath("generation-2", at_s=0.2),))
+    with pytest.raises(ValueError, match=r"no instance 'generation-2' \(instances: prefill-0, generation-0 to generation-1\)"):
+        simulate(config, unknown, _requests(4), PoissonArrivals(100.0))
 
 
 @pytest.mark.parametrize("stream_interval_s", [0.0, 0.05])
