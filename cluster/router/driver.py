@@ -125,6 +125,7 @@ class Router:
         metrics: RouterMetrics | None = None,
         timeline_log: TimelineLog | None = None,
         model_info: ModelInfo | None = None,
+        request_id_prefix: str | None = None,
     ) -> None:
         self.config = config
         self.model_info = model_info  # what is served, for ClusterStatus
@@ -148,7 +149,11 @@ class Router:
         # in flight is sent once the submit has returned.
         self._unsubmitted: set[str] = set()  # engine ids decided, submit not yet sent
         self._submitting: dict[str, StopHop | None] = {}  # engine id -> the stop waiting for its submit
-        self._id_prefix = uuid.uuid4().hex[:8]
+        # The ids of requests that come without one are this prefix and a count. Random by default: a
+        # router restarted against instances that still hold its predecessor's requests must not reuse
+        # their ids. A simulation passes a fixed one, so that what is drawn from a request's id (the
+        # fault plan's draws, worker/kv_transfer/faults.py) is the same in every run of it.
+        self._id_prefix = request_id_prefix if request_id_prefix is not None else uuid.uuid4().hex[:8]
         self._counter = itertools.count(1)
         self._poll_timeout_s = poll_timeout_s or min(1.0, config.health.heartbeat_interval_s)
         self._watchdog: asyncio.Task | None = None

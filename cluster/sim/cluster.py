@@ -286,6 +286,7 @@ async def simulate_async(
         clock=loop.time,
         wall_clock=loop.time,
         seed=settings.seed,
+        request_id_prefix=f"sim{settings.seed}",  # the same ids, so the same fault draws, in every run
     )
     await router.start()
     for instance in instances:
