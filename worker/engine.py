@@ -635,7 +635,16 @@ class Engine:
         if tracked.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return
         if failure is None:
-            self._finish(tracked, S.DISAGG_CONTEXT_COMPLETE, outputs, [], "", (), None, None, handed_over=True)
+            def end(end_outputs: list[RequestOutput]) -> None:
+                self._finish(tracked, S.DISAGG_CONTEXT_COMPLETE, end_outputs, [], "", (), None, None, handed_over=True)
+
+            # An earlier push may still read the blocks: one the router gave up as stalled and
+            # retried to another receiver, which this push is. The request ends once it returns.
+            timing = self.handover.defer_end(tracked.handover, end)
+            if timing is EndTiming.NOW:
+                end(outputs)
+            elif timing is EndTiming.DEFERRED:
+                self._record(tracked, tracked.llm.state, "handed over: ending once the push still in flight returns")
         else:
             self._record(tracked, tracked.llm.state, f"push failed: {failure}")
 

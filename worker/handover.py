@@ -23,9 +23,10 @@ Sending side (a CONTEXT_ONLY request on a PREFILL or MIXED instance):
   `PushReported`). A pinned request's lease cannot expire, and an abort or release that comes
   meanwhile is deferred (`defer_end`) until the last push returns, never freeing blocks under a
   reader;
-- acknowledged: a push succeeded, DISAGG_CONTEXT_COMPLETE, blocks freed. A failed push leaves it
-  leased (the router may retry the transfer, or release it: DISAGG_TRANS_ERROR, as does an expired
-  lease).
+- acknowledged: a push succeeded, DISAGG_CONTEXT_COMPLETE, blocks freed; deferred like an abort
+  while another push is still in flight (a stalled one the router gave up and retried past). A
+  failed push leaves it leased (the router may retry the transfer, or release it:
+  DISAGG_TRANS_ERROR, as does an expired lease).
 
 Threads: the engine thread owns `RequestHandover` values and calls every method here, except the
 ones marked "any thread" (`open`, `post` and `TransferTarget`), which transfer and push threads call.
@@ -294,7 +295,8 @@ class Handover:
 
     @staticmethod
     def defer_end(state: RequestHandover, end: EndRequest) -> EndTiming:
-        """When an abort or release may end the request: now, or once the pushes in flight return."""
+        """When an abort, a release or an acknowledged push may end the request: now, or once the
+        pushes in flight return."""
         if state.pushes_in_flight == 0:
             return EndTiming.NOW
         if state.deferred_end is not None:

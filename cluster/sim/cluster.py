@@ -120,7 +120,8 @@ class SimOutcome:
     router: dict[str, Any]
     virtual_s: float
     wall_s: float
-    leaked_blocks: int = 0
+    leaked_blocks: int = 0  # blocks live instances still held once they settled (simulate_async)
+    held_requests: int = 0  # requests live instances still held once they settled
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -145,6 +146,7 @@ class SimOutcome:
             "transfers_failed": sum(r.transfers_failed for r in self.instances),
             "pauses": sum(r.pauses for r in self.instances),
             "leaked_blocks": self.leaked_blocks,
+            "held_requests": self.held_requests,
             "router": self.router,
         }
 
@@ -303,15 +305,17 @@ async def simulate_async(
         on_start(started_s)
     outcome = await runner.run(requests, arrivals, seed=settings.seed)
     virtual_s = loop.time() - started_s
+    await _settle(instances, settle_limit_s(config))
     await router.stop()
     reports = []
-    leaked = 0
+    leaked = held = 0
     for instance in instances:
         stats = instance.stats
         if not instance.dead:
             instance.check_integrity()
-            # Blocks still referenced after every request ended (cached prefix blocks are free).
+            # Blocks still referenced once the instances settled (cached prefix blocks are free).
             leaked += instance.blocks.num_blocks - instance.blocks.num_free_blocks
+            held += instance.num_requests
         reports.append(
             InstanceReport(
                 instance.instance_id, instance.role.name, stats.busy_s / max(virtual_s, 1e-9), stats.steps,
@@ -328,7 +332,31 @@ async def simulate_async(
         "recovery_actions": {action.value: count for action, count in router.recovery_actions.items()},
         "transfers": dict(router.transfers),
     }
-    return SimOutcome(point, reports, router_figures, virtual_s, time.perf_counter() - wall_started, leaked)
+    return SimOutcome(point, reports, router_figures, virtual_s, time.perf_counter() - wall_started, leaked, held)
+
+
+SETTLE_POLL_S = 0.05  # how often the settling looks at the instances, simulated seconds
+
+
+def settle_limit_s(config: ClusterConfig) -> float:
+    """How long, in simulated seconds, the instances may still hold requests after the last one
+    ended: a push in flight runs to its deadline (router.timeouts.transfer_s, and a stall's half
+    second past it), then a failed one's request waits out its sender lease, a reservation its
+    timeout. Past this, what an instance holds is a leak."""
+    engines = [config.engine_config(group) for group in config.instances]
+    lease_s = max(max(engine.sender_lease_s, engine.reservation_timeout_s) for engine in engines)
+    return config.router.timeouts.transfer_s + lease_s + 1.0
+
+
+async def _settle(instances: Sequence[SimInstance], limit_s: float) -> None:
+    """Wait, on simulated time and at most `limit_s`, until no live instance holds a request. A
+    request can outlive its end at the router: a push the router retried past (it stalled) reads
+    the blocks until its deadline, and the request ends only then, as worker/engine.py keeps it.
+    The leak check comes after (simulate_async); the run's figures are taken before."""
+    loop = asyncio.get_running_loop()
+    until_s = loop.time() + limit_s
+    while any(instance.num_requests for instance in instances if not instance.dead) and loop.time() < until_s:
+        await asyncio.sleep(SETTLE_POLL_S)
 
 
 def request_limited_by_role(counts: Iterable[tuple[str, int, int]]) -> dict[str, float]:

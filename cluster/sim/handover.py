@@ -45,7 +45,9 @@ class SimRequest:
     num_cached_tokens: int = 0
     transfer_id: str | None = None  # generation side: its reservation
     reserved: bool = False
-    pushing: bool = False  # prefill side: a push reads its blocks
+    pushes: int = 0  # prefill side: pushes in flight, reading its blocks
+    # Prefill side: how it ends once the last push in flight returns (the first end asked for wins,
+    # as worker/handover.py defer_end keeps it): an abort's, a release's, or a handed-over end.
     end_after_push: Callable[[], None] | None = None
     # Prefill side: a push relayed while the context computes (an early reservation), started the
     # moment the context is done, as worker/engine.py Engine.defer_push keeps it. (Chunk streaming
@@ -83,7 +85,7 @@ class HandoverSide:
         self._after_change()
 
     def _lease_expired(self, request: SimRequest) -> None:
-        if request.finished or request.pushing or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+        if request.finished or request.pushes or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return
         detail = f"KV not taken within the sender lease of {self.config.sender_lease_s}s"
         self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=RequestError(ErrorCode.LEASE_EXPIRED, detail))
@@ -164,20 +166,24 @@ class HandoverSide:
             failure = (FailureReason.UNKNOWN_TRANSFER, f"{transfer_id} is not open on the receiver")
         elif failure is not None and receiver is not None and not receiver.dead:
             receiver._transfer_failed(transfer_id, target_request_id, failure)
-        request.pushing = False
+        request.pushes -= 1
         rid = request.submit.request_id
         if failure is None:
             self._pushes.append(PushResult(rid, transfer_id, True, None, "", num_bytes, elapsed_s))
         else:
             self.stats.transfers_failed += 1
             self._pushes.append(PushResult(rid, transfer_id, False, failure[0].value, failure[1], 0, elapsed_s))
-        if request.end_after_push is not None:
+        if request.pushes == 0 and request.end_after_push is not None:
             request.end_after_push()
         elif not request.finished:
-            if failure is None:
-                self._finish(request, S.DISAGG_CONTEXT_COMPLETE, None, None, handed_over=True)
-            else:
+            if failure is not None:
                 self._event(rid, request.llm.state, f"push failed: {failure[0].value}: {failure[1]}")
+            elif request.pushes == 0:
+                self._finish(request, S.DISAGG_CONTEXT_COMPLETE, None, None, handed_over=True)
+            elif request.end_after_push is None:
+                # An earlier push still reads the blocks (a stalled one this push, a retry, went
+                # past): the request ends, handed over, once it returns (worker/engine.py _on_push).
+                request.end_after_push = lambda: self._finish(request, S.DISAGG_CONTEXT_COMPLETE, None, None, handed_over=True)
         self._after_change()
 
     def _receive(self, transfer_id: str, request_id: str) -> bool:

@@ -293,10 +293,10 @@ class SimInstance(HandoverSide):
         def end() -> None:
             self._finish(request, S.GENERATION_COMPLETE, 0, FinishReason.ABORT, error=RequestError(ErrorCode.ABORTED, detail))
 
-        if request.pushing:
-            request.end_after_push = end
-        else:
+        if not request.pushes:
             end()
+        elif request.end_after_push is None:  # the first end asked for wins (worker/handover.py defer_end)
+            request.end_after_push = end
         self._after_change()
 
     async def release(self, request_id: str, reason: FailureReason, detail: str) -> None:
@@ -309,10 +309,10 @@ class SimInstance(HandoverSide):
             error = RequestError(ErrorCode.TRANSFER_FAILED, detail, reason.value)
             self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
 
-        if request.pushing:
-            request.end_after_push = end
-        else:
+        if not request.pushes:
             end()
+        elif request.end_after_push is None:  # the first end asked for wins (worker/handover.py defer_end)
+            request.end_after_push = end
         self._after_change()
 
     async def push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
@@ -331,7 +331,7 @@ class SimInstance(HandoverSide):
             self._pushes.append(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, detail, 0, 0.0))
             self._wake()
             return
-        request.pushing = True
+        request.pushes += 1
         self._transfer(request, target, transfer_id, deadline_s, target_request_id or request_id)
 
     async def renew(self, request_ids: tuple[str, ...]) -> None:
@@ -620,7 +620,7 @@ class SimInstance(HandoverSide):
                 if request.pending_push is not None:
                     target, transfer_id, deadline_s, target_request_id = request.pending_push
                     request.pending_push = None
-                    request.pushing = True
+                    request.pushes += 1
                     self._transfer(request, target, transfer_id, deadline_s, target_request_id)
                 continue
             if finishing_context:

@@ -414,6 +414,30 @@ def test_abort_during_a_push_frees_blocks_only_when_the_push_returns(default_mod
     assert_no_leak(prefill)
 
 
+def test_a_push_that_succeeds_while_an_earlier_one_is_in_flight_frees_blocks_only_when_both_returned(default_model, corpus) -> None:
+    """A retried transfer (the router gave up on a stalled push and pushes to another receiver) runs
+    beside the stalled push, which still reads the blocks: the retry's success ends the request,
+    but its blocks stay until the stalled push returns, as for an abort during a push."""
+    prefill = make_engine(default_model, role=InstanceRole.PREFILL)
+    prefill.add_request(SubmitRequest("retried", tuple(corpus[6]), greedy(), RequestType.CONTEXT_ONLY))
+    run_steps_until(prefill, lambda outs: any(o.context_done for o in outs))
+    stalled = prefill.begin_push("retried")
+    before = bytes(stalled.read(0, prefill.layout.num_layers, 0, stalled.num_blocks))
+    prefill.begin_push("retried")  # the retry
+    prefill.report_push("retried", None)  # the retry committed
+    assert not [o for o in prefill.step() if o.finished]  # deferred: the stalled push reads the blocks
+    assert prefill.blocks.num_free_blocks < prefill.blocks.num_blocks
+    prefill.add_request(SubmitRequest("next", tuple(corpus[5]), greedy(), RequestType.CONTEXT_ONLY))
+    run_steps_until(prefill, lambda outs: any(o.context_done for o in outs))  # a new prompt takes free blocks only
+    assert bytes(stalled.read(0, prefill.layout.num_layers, 0, stalled.num_blocks)) == before
+    prefill.report_push("retried", TransferFailure(FailureReason.DEADLINE_EXCEEDED, "stalled"))  # it returns at its deadline
+    final = [o for o in prefill.step() if o.finished and o.request_id == "retried"]
+    assert len(final) == 1 and final[0].handed_over and final[0].error is None
+    prefill.abort("next")
+    run_all(prefill)
+    assert_no_leak(prefill)
+
+
 def test_a_prefill_hop_reserves_for_its_prompt_and_first_token_only(default_model) -> None:
     """A CONTEXT_ONLY hop samples one token (the generation instance makes the rest), so a prefill
     instance's pool needs to hold the prompt and that token, whatever max_tokens says (as

@@ -128,6 +128,7 @@ def _check_invariants(outcome) -> None:
     assert outcome.router["illegal_transitions"] == 0
     assert outcome.router["inconsistent_reports"] == 0
     assert outcome.leaked_blocks == 0
+    assert outcome.held_requests == 0
 
 
 def test_a_disaggregated_cluster_serves_a_workload_on_virtual_time() -> None:
@@ -178,6 +179,34 @@ def test_transfer_faults_from_the_fault_plan_are_recovered() -> None:
     again = simulate(config, SETTINGS, _requests(), PoissonArrivals(50.0))
     assert again.router == outcome.router
     assert [(r.end_s, r.chunk_times_s) for r in again.point.outcome.records] == [(r.end_s, r.chunk_times_s) for r in outcome.point.outcome.records]
+
+
+def test_a_stalled_push_retried_elsewhere_keeps_its_blocks_until_it_returns(monkeypatch) -> None:
+    """A push that stalls is given up by the router (its stall bound) and retried to the other
+    generation instance; the retry commits while the stalled push still reads the blocks. As the
+    engine does (worker/engine.py _on_push), the prefill request ends once both returned: never with
+    a push in flight, and nothing is left once the instances settle."""
+    ends = []
+    finish = SimInstance._finish
+
+    def recording(self, request, *args, **kwargs):
+        ends.append((self.role.name, request.pushes, kwargs.get("handed_over", False), self._now()))
+        return finish(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(SimInstance, "_finish", recording)
+    config = ClusterConfig.from_dict({
+        "instances": [{"role": "PREFILL", "count": 1}, {"role": "GENERATION", "count": 2}],
+        "engine": {"num_blocks": 512},
+        "faults": {"seed": 1, "rules": [{"kind": "stall", "scope": "transfer", "probability": 1.0, "max_fires": 3}]},
+    })
+    outcome = simulate(config, SETTINGS, _requests(6), PoissonArrivals(20.0))
+    assert outcome.point.metrics.completed == 6
+    assert outcome.router["recovery_actions"] == {"retry_transfer": 3}, outcome.router
+    _check_invariants(outcome)
+    handed_over = [(pushes, at_s) for role, pushes, handed, at_s in ends if role == "PREFILL" and handed]
+    assert len(handed_over) == 6 and all(pushes == 0 for pushes, _ in handed_over)
+    # The three stalled pushes ran to their deadline (timeouts.transfer_s), after every request ended.
+    assert sorted(at_s for _, at_s in handed_over)[-3] > config.router.timeouts.transfer_s
 
 
 def test_an_instance_death_is_detected_on_virtual_time_and_its_requests_recovered() -> None:
