@@ -71,6 +71,7 @@ from cluster.router.recovery import (
     admission_wait_s,
     decide,
     stage_limit_s,
+    transmission_bound_s,
 )
 from cluster.router.state import (
     TRANSITIONS,
@@ -440,18 +441,25 @@ class RequestFlow:
         attempt.renewed_s = now_s
         if attempt.early and prefill is not None and prefill.live and not prefill.context_done:
             # Reserved while the prefill runs: relay the target now, off the critical path; the
-            # prefill instance pushes the moment its KV is final.
-            actions.append(self._push_action(prefill, attempt))
+            # prefill instance pushes the moment its KV is final. The push's deadline is the
+            # transfer deadline: it may start on the first finished chunks (stream_kv_chunks) and so
+            # take the rest of the context's time too, which TRANSMISSION's bound does not hold.
+            actions.append(self._push_action(prefill, attempt, self._config.timeouts.transfer_s))
             return actions
         if prefill is None or not prefill.holds_handover_kv:
             self._recover(actions, attempt, Failure(Cause.KV_LOST, "reservation made but the prefill KV is gone"), fleet)
             return actions
         self._transition(GlobalState.TRANSMISSION, attempt.instance_id, f"pushing {notice.num_blocks} blocks")
         actions.append(NoteTransfer(TransferNote.STARTED))
-        actions.append(self._push_action(prefill, attempt))
+        # Held to the bound TRANSMISSION is held to (recovery.py), not timeouts.transfer_s: once it
+        # passes the router recovers the request (retries the transfer elsewhere, or recomputes),
+        # and a push still going on would only keep the prefill's blocks pinned (worker/handover.py)
+        # for nothing, up to transfer_s (a minute by default).
+        bound_s = transmission_bound_s(self._config.timeouts, self._config.handover, attempt.reserved_bytes)
+        actions.append(self._push_action(prefill, attempt, bound_s))
         return actions
 
-    def _push_action(self, prefill: Attempt, generation: Attempt) -> Push:
+    def _push_action(self, prefill: Attempt, generation: Attempt, deadline_s: float) -> Push:
         assert generation.transfer_id is not None
         return Push(
             request_id=self.request_id,
@@ -460,7 +468,7 @@ class RequestFlow:
             target_instance_id=generation.instance_id,
             target_engine_id=generation.engine_id,
             transfer_id=generation.transfer_id,
-            deadline_s=self._config.timeouts.transfer_s,
+            deadline_s=deadline_s,
         )
 
     # --- early reservation ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from cluster.router.actions import (
     StopHop,
 )
 from cluster.router.flow import Attempt
+from cluster.router.recovery import transmission_bound_s
 from cluster.router.state import GlobalState
 from scheduler.state import LlmRequestState
 from tests.unit.test_router_flow import Run, config, fleet_of, new_run, output, set_health
@@ -112,6 +113,9 @@ def test_the_reservation_is_relayed_during_the_prefill_and_the_first_token_moves
     relayed = reserve(run, generation)
     (push,) = [a for a in relayed if isinstance(a, Push)]
     assert push.engine_id == run.hop(Phase.PREFILL).engine_id and push.target_engine_id == generation.engine_id
+    # It may start streaming the first finished chunks while the context computes: held to the
+    # transfer deadline, which covers that time, not to TRANSMISSION's bound, which does not.
+    assert push.deadline_s == config().timeouts.transfer_s
     assert run.flow.state is S.CONTEXT_IN_PROGRESS, "a reservation is no transition: the prefill still runs"
     out = first_token(run)
     assert [a.event.token_ids for a in out if isinstance(a, EmitTokens)] == [(5,)]
@@ -152,6 +156,11 @@ def test_a_pool_too_full_to_reserve_early_reserves_after_the_first_token() -> No
     relayed = reserve(run, generation)
     assert [type(a) for a in relayed if isinstance(a, Push)] == [Push]
     assert run.flow.state is S.TRANSMISSION
+    # Sent once the KV is final: held to TRANSMISSION's bound (a stalled push gives up when the
+    # router does), not to the transfer deadline.
+    (push,) = [a for a in relayed if isinstance(a, Push)]
+    config_ = config()
+    assert push.deadline_s == transmission_bound_s(config_.timeouts, config_.handover, generation.reserved_bytes) < config_.timeouts.transfer_s
 
 
 def test_early_reservations_are_renewed_until_the_context_is_done() -> None:

@@ -577,6 +577,10 @@ def test_a_small_transfer_that_stalls_is_retried_at_the_speed_of_its_size() -> N
     out = run.apply(lambda f, t, fl: f.on_tick(entered + bound_s + 0.001, fl))
     assert recoveries(run) == [RecoveryAction.RETRY_TRANSFER], out
     assert run.flow.state is S.GENERATION_INIT
+    # The push is held to the same bound: a stalled one gives up when the router does, and the
+    # prefill's blocks it pins are free then, not after the 10 s transfer deadline.
+    pushes = [a for a in run.actions if isinstance(a, Push)]
+    assert len(pushes) == 1 and pushes[0].deadline_s == pytest.approx(bound_s)
     # A large transfer keeps the configured deadline as its cap.
     big = to_state(S.TRANSMISSION)
     big.hop(Phase.GENERATION).reserved_bytes = 10**12
