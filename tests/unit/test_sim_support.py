@@ -213,6 +213,23 @@ def test_duet_sim_prints_the_bench_table_and_envelope(tmp_path: Path, capsys: py
     assert len(document["simulation"]["points"][0]["instances"]) == 3
 
 
+def test_duet_sim_warns_when_the_instances_settle_holding_something(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """Every end path frees (a leak is a bug in duet): none in a run, but if one ever shows after
+    the instances settled (cluster/sim/cluster.py simulate_async), duet sim says so."""
+    import dataclasses
+
+    from cluster.cli import sim as sim_cli
+    from cluster.cli.main import main
+
+    args = ["sim", "--quick", "--instances", "1P,1G", "--out", str(tmp_path), "--no-plots", "--no-progress"]
+    assert main(args) == 0
+    assert "still held" not in capsys.readouterr().err
+    simulate = sim_cli.simulate
+    monkeypatch.setattr(sim_cli, "simulate", lambda *a, **k: dataclasses.replace(simulate(*a, **k), leaked_blocks=3, held_requests=1))
+    assert main(args) == 0
+    assert "once the instances settled they still held 1 requests and 3 KV blocks (a leak in duet" in capsys.readouterr().err
+
+
 def test_duet_sim_replays_a_trace_on_a_mixed_cluster(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from cluster.cli.main import main
 
