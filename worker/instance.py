@@ -261,6 +261,11 @@ class Instance:
                 SenderConfig.from_mapping(spec.sender or {}), security=security, faults=self.faults, shm_tag=spec.shm_tag
             )
         self._push_pool = concurrent.futures.ThreadPoolExecutor(max_workers=spec.push_threads, thread_name_prefix="kv-push")
+        # Pushes started and not yet returned: request id -> {transfer id: why it was cancelled, or
+        # None}. A push nobody waits for any more is cancelled (`_cancel_pushes`) rather than left to
+        # pin its request's blocks until its deadline. Loop thread and push threads: _push_lock.
+        self._pushes_in_flight: dict[str, dict[str, str | None]] = {}
+        self._push_lock = threading.Lock()
         self.info = InstanceInfo(
             instance_id=spec.instance_id,
             role=role,
@@ -541,13 +546,18 @@ class Instance:
                     else:
                         command.done.set_result(None)
                 case Abort():
+                    self._cancel_pushes(command.request_id, f"the request was aborted: {command.detail}")
                     self.engine.abort(command.request_id, command.detail)
                 case Push():
+                    # The router pushes a request again only once it gave the earlier push up (it
+                    # stalled, and the transfer is retried to another receiver).
+                    self._cancel_pushes(command.request_id, f"superseded by transfer {command.transfer_id}", keep=command.transfer_id)
                     if not self.engine.defer_push(command.request_id, command):
                         self._start_push(command)
                 case Renew():
                     self.engine.renew(command.request_ids)
                 case Release():
+                    self._cancel_pushes(command.request_id, f"the hand-over was released: {command.detail}")
                     self.engine.release(command.request_id, TransferFailure(command.reason, command.detail))
                 case _CountRequests():
                     command.box.set_result(self.engine.num_requests)
@@ -576,21 +586,54 @@ class Instance:
                 self._report_push(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, str(error), 0, 0.0))
                 return
 
+        sender = self.sender
+        with self._push_lock:
+            self._pushes_in_flight.setdefault(request_id, {})[transfer_id] = None
+
         def run() -> None:
             try:
-                outcome = self.sender.push(target, transfer_id, target_request_id, source, deadline_s)
-                failure = outcome.failure
-                result = PushResult(
-                    request_id, transfer_id, outcome.ok, None if failure is None else failure.reason.value,
-                    "" if failure is None else failure.detail, outcome.bytes_sent, outcome.elapsed_s,
-                )
+                with self._push_lock:
+                    cancelled = self._pushes_in_flight.get(request_id, {}).get(transfer_id)
+                if cancelled is not None:  # before it began; from here on the sender takes a cancel
+                    failure: TransferFailure | None = TransferFailure(FailureReason.CANCELLED, cancelled)
+                    result = PushResult(request_id, transfer_id, False, FailureReason.CANCELLED.value, cancelled, 0, 0.0)
+                else:
+                    outcome = sender.push(target, transfer_id, target_request_id, source, deadline_s)
+                    failure = outcome.failure
+                    result = PushResult(
+                        request_id, transfer_id, outcome.ok, None if failure is None else failure.reason.value,
+                        "" if failure is None else failure.detail, outcome.bytes_sent, outcome.elapsed_s,
+                    )
             except Exception as error:  # noqa: BLE001 - a push must always report back
                 failure = TransferFailure(FailureReason.INTERNAL, f"{type(error).__name__}: {error}")
                 result = PushResult(request_id, transfer_id, False, failure.reason.value, failure.detail, 0, 0.0)
+            finally:
+                with self._push_lock:
+                    mine = self._pushes_in_flight.get(request_id)
+                    if mine is not None:
+                        mine.pop(transfer_id, None)
+                        if not mine:
+                            del self._pushes_in_flight[request_id]
             self.engine.report_push(request_id, failure)
             self._report_push(result)
 
         self._push_pool.submit(run)
+
+    def _cancel_pushes(self, request_id: str, detail: str, *, keep: str | None = None) -> None:
+        """Loop thread: cancel the request's pushes in flight (but `keep`'s), which nobody waits for
+        any more: each returns CANCELLED soon (KvSender.cancel) and unpins the blocks, instead of at
+        its deadline (up to timeouts.transfer_s for a push relayed during the prefill)."""
+        with self._push_lock:
+            mine = self._pushes_in_flight.get(request_id)
+            if not mine:
+                return
+            cancelled = [transfer_id for transfer_id, why in mine.items() if transfer_id != keep and why is None]
+            for transfer_id in cancelled:
+                mine[transfer_id] = detail
+        for transfer_id in cancelled:
+            if self.sender is not None:
+                self.sender.cancel(transfer_id, detail)
+            logger.info("cancelled the push of %s (transfer %s): %s", request_id, transfer_id, detail)
 
     def _report_push(self, result: PushResult) -> None:
         with self._mailbox:

@@ -381,18 +381,23 @@ class Router:
         for action in actions:
             self._note(entry, action)
         for action in actions:
-            if isinstance(action, StartHop):
-                await self._start_hop(entry, action)
-            elif isinstance(action, StopHop):
-                await self._stop_hop(action)
-            elif isinstance(action, Push):
-                await self._push(entry, action)
-            elif isinstance(action, RenewReservation):
-                await self._renew(action.instance_id, (action.engine_id,))
-            elif isinstance(action, EmitTokens):
-                self._emit(entry, action)
-            elif isinstance(action, Finish):
-                self._deliver_final(entry)
+            try:
+                if isinstance(action, StartHop):
+                    await self._start_hop(entry, action)
+                elif isinstance(action, StopHop):
+                    await self._stop_hop(action)
+                elif isinstance(action, Push):
+                    await self._push(entry, action)
+                elif isinstance(action, RenewReservation):
+                    await self._renew(action.instance_id, (action.engine_id,))
+                elif isinstance(action, EmitTokens):
+                    self._emit(entry, action)
+                elif isinstance(action, Finish):
+                    self._deliver_final(entry)
+            except Exception:  # noqa: BLE001 - a call that fails unexpectedly (an instance's bug) must
+                # not cost the request its other actions: its final event above all, without which
+                # its client would wait forever (the request has left the router's books).
+                logger.exception("%s of request %s failed", type(action).__name__, entry.flow.request_id)
 
     def _note(self, entry: _Entry, action: Action) -> None:
         flow = entry.flow
@@ -498,6 +503,8 @@ class Router:
         except InstanceUnavailable as error:
             member.to_abort.add(action.engine_id)
             logger.info("could not stop %s on %s: %s", action.engine_id, action.instance_id, error)
+        except InstanceRejected as error:  # it does not hold the hop (any more): nothing to stop
+            logger.info("%s on %s refused its stop: %s", action.engine_id, action.instance_id, error)
 
     async def _push(self, entry: _Entry, action: Push) -> None:
         source = self.fleet.get(action.instance_id)
@@ -508,11 +515,11 @@ class Router:
             await source.client.push(
                 action.engine_id, target.info.transfer_address, action.transfer_id, action.deadline_s, action.target_engine_id
             )
-        except InstanceUnavailable as error:
+        except (InstanceUnavailable, InstanceRejected) as error:  # no push went out: as if unreachable
             hop = self._hops.get(action.target_engine_id)
             if hop is None:
                 return
-            actions = entry.flow.on_push_call_failed(hop[1], f"{action.instance_id} unavailable: {error}", self._clock(), self.fleet)
+            actions = entry.flow.on_push_call_failed(hop[1], f"{action.instance_id} could not be asked to push: {error}", self._clock(), self.fleet)
             await self._run(entry, actions)
 
     async def _renew(self, instance_id: str, engine_ids: tuple[str, ...]) -> None:
@@ -550,10 +557,13 @@ class Router:
     async def _execute_io(self, entry: _Entry, actions: list[Action]) -> None:
         """The I/O part of `_run`, for actions whose notes were taken already."""
         for action in actions:
-            if isinstance(action, StopHop):
-                await self._stop_hop(action)
-            elif isinstance(action, Finish):
-                self._deliver_final(entry)
+            try:
+                if isinstance(action, StopHop):
+                    await self._stop_hop(action)
+                elif isinstance(action, Finish):
+                    self._deliver_final(entry)
+            except Exception:  # noqa: BLE001 - as in _run: the other actions still go out
+                logger.exception("%s of request %s failed", type(action).__name__, entry.flow.request_id)
 
     def _deliver_final(self, entry: _Entry) -> None:
         final = entry.flow.final

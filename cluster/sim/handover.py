@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -45,7 +45,9 @@ class SimRequest:
     num_cached_tokens: int = 0
     transfer_id: str | None = None  # generation side: its reservation
     reserved: bool = False
-    pushes: int = 0  # prefill side: pushes in flight, reading its blocks
+    # Prefill side: its pushes in flight, which read its blocks: transfer id -> what cancels it
+    # (worker/instance.py cancels a push nobody waits for any more).
+    pushes_in_flight: dict[str, Callable[[str], None]] = field(default_factory=dict)
     # Prefill side: how it ends once the last push in flight returns (the first end asked for wins,
     # as worker/handover.py defer_end keeps it): an abort's, a release's, or a handed-over end.
     end_after_push: Callable[[], None] | None = None
@@ -55,6 +57,11 @@ class SimRequest:
     pending_push: tuple[str, str, float, str] | None = None
     finished: bool = False
     expiry: asyncio.TimerHandle | None = None  # its lease or reservation timer, cancelled when it ends
+
+    @property
+    def pushes(self) -> int:
+        """Prefill side: pushes in flight."""
+        return len(self.pushes_in_flight)
 
 
 class HandoverSide:
@@ -122,7 +129,20 @@ class HandoverSide:
         self.stats.bytes_sent += num_bytes
         if kill is not None:
             self._loop.call_at(now + (end_s - now) / 2, kill.kill)
-        self._at(end_s, self._transfer_done, request, receiver, transfer_id, target_request_id, num_bytes, now, failure)
+        done = self._at(end_s, self._transfer_done, request, receiver, transfer_id, target_request_id, num_bytes, now, failure)
+
+        def cancel(detail: str) -> None:  # it returns at once (the real sender's, an Abort later)
+            done.cancel()
+            self._transfer_done(request, receiver, transfer_id, target_request_id, num_bytes, now, (FailureReason.CANCELLED, detail))
+
+        request.pushes_in_flight[transfer_id] = cancel
+
+    @staticmethod
+    def _cancel_pushes(request: SimRequest, detail: str, keep: str | None = None) -> None:
+        """Cancel the request's pushes in flight but `keep`'s (worker/instance.py _cancel_pushes)."""
+        for transfer_id, cancel in list(request.pushes_in_flight.items()):
+            if transfer_id != keep:
+                cancel(detail)
 
     def _draw_faults(
         self, faults: FaultInjector, transfer_id: str, request_id: str, receiver: HandoverSide | None, num_blocks: int, deadline_s: float
@@ -166,7 +186,7 @@ class HandoverSide:
             failure = (FailureReason.UNKNOWN_TRANSFER, f"{transfer_id} is not open on the receiver")
         elif failure is not None and receiver is not None and not receiver.dead:
             receiver._transfer_failed(transfer_id, target_request_id, failure)
-        request.pushes -= 1
+        request.pushes_in_flight.pop(transfer_id, None)
         rid = request.submit.request_id
         if failure is None:
             self._pushes.append(PushResult(rid, transfer_id, True, None, "", num_bytes, elapsed_s))

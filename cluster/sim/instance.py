@@ -293,7 +293,10 @@ class SimInstance(HandoverSide):
         def end() -> None:
             self._finish(request, S.GENERATION_COMPLETE, 0, FinishReason.ABORT, error=RequestError(ErrorCode.ABORTED, detail))
 
-        if not request.pushes:
+        self._cancel_pushes(request, f"the request was aborted: {detail}")
+        if request.finished:  # an end deferred behind the cancelled pushes ran as they returned
+            pass
+        elif not request.pushes:
             end()
         elif request.end_after_push is None:  # the first end asked for wins (worker/handover.py defer_end)
             request.end_after_push = end
@@ -309,7 +312,10 @@ class SimInstance(HandoverSide):
             error = RequestError(ErrorCode.TRANSFER_FAILED, detail, reason.value)
             self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
 
-        if not request.pushes:
+        self._cancel_pushes(request, f"the hand-over was released: {detail}")
+        if request.finished:  # an end deferred behind the cancelled pushes ran as they returned
+            pass
+        elif not request.pushes:
             end()
         elif request.end_after_push is None:  # the first end asked for wins (worker/handover.py defer_end)
             request.end_after_push = end
@@ -331,7 +337,8 @@ class SimInstance(HandoverSide):
             self._pushes.append(PushResult(request_id, transfer_id, False, FailureReason.UNKNOWN_TRANSFER.value, detail, 0, 0.0))
             self._wake()
             return
-        request.pushes += 1
+        # The router pushes a request again only once it gave the earlier push up (worker/instance.py).
+        self._cancel_pushes(request, f"superseded by transfer {transfer_id}", keep=transfer_id)
         self._transfer(request, target, transfer_id, deadline_s, target_request_id or request_id)
 
     async def renew(self, request_ids: tuple[str, ...]) -> None:
@@ -620,7 +627,6 @@ class SimInstance(HandoverSide):
                 if request.pending_push is not None:
                     target, transfer_id, deadline_s, target_request_id = request.pending_push
                     request.pending_push = None
-                    request.pushes += 1
                     self._transfer(request, target, transfer_id, deadline_s, target_request_id)
                 continue
             if finishing_context:

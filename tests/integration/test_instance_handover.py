@@ -198,6 +198,7 @@ def cluster(ray_cluster, request):
         {"kind": "truncate", "request_ids": ["truncate"], "chunk": 1},
         {"kind": "stall", "request_ids": ["stall"], "chunk": 1, "seconds": 0.3},
         {"kind": "close", "request_ids": ["close"], "chunk": 1},
+        {"kind": "stall", "request_ids": ["retried.g1"], "chunk": 1},  # a push's faults match its target's id
     ]
     receiver_rules = [
         {"kind": "drop", "side": "receiver", "request_ids": ["r-drop"], "chunk": 1},
@@ -299,6 +300,45 @@ def _run_with_abort_on_refusal(ray, prefill, generation, request_id, prompt) -> 
     _call(ray, g_actor, Abort(request_id, "router gave up"), Ack)
     _poll(ray, [(p_actor, p_box), (g_actor, g_box)], lambda: p_box.final(request_id) is not None and g_box.final(request_id) is not None)
     return Handover(first=first, push=push, prefill_final=p_box.final(request_id), generation_final=g_box.final(request_id))
+
+
+def test_a_stalled_push_is_cancelled_when_the_transfer_is_retried(cluster) -> None:
+    """The router gives a stalled push up and retries the transfer to a new reservation: the
+    instance cancels the stalled push (it would pin the request's blocks until its deadline, here
+    30 s), the retry commits, and the request ends handed over once both pushes returned."""
+    ray, prefill, generation, mixed = cluster
+    (p_actor, _), (g_actor, g_info) = prefill, generation
+    p_box, g_box = Mailbox(), Mailbox()
+    prompt = LONG[5]
+    expected = mixed_tokens(ray, mixed, "ref-retried", prompt, GREEDY)
+    _call(ray, p_actor, Submit(SubmitRequest("retried", tuple(prompt), GREEDY, RequestType.CONTEXT_ONLY)), Ack)
+    _poll(ray, [(p_actor, p_box)], lambda: any(o.request_id == "retried" and o.context_done for o in p_box.outputs))
+    first = next(o for o in p_box.outputs if o.request_id == "retried" and o.context_done).new_token_ids
+
+    def reserve(engine_id: str) -> str:
+        _call(ray, g_actor, Submit(SubmitRequest(engine_id, tuple(prompt), GREEDY, RequestType.GENERATION_ONLY, first)), Ack)
+        _poll(ray, [(g_actor, g_box)], lambda: any(r.request_id == engine_id for r in g_box.reservations))
+        return next(r for r in g_box.reservations if r.request_id == engine_id).transfer_id
+
+    stalled = reserve("retried.g1")
+    started = time.monotonic()
+    _call(ray, p_actor, Push("retried", g_info.transfer_address, stalled, 30.0, "retried.g1"), Ack)
+    time.sleep(0.5)  # the push stalls on its second chunk
+    _call(ray, g_actor, Abort("retried.g1", "transfer retried"), Ack)  # what the router does, then
+    retry = reserve("retried.g2")
+    _call(ray, p_actor, Push("retried", g_info.transfer_address, retry, 30.0, "retried.g2"), Ack)
+    _poll(
+        ray, [(p_actor, p_box), (g_actor, g_box)],
+        lambda: p_box.final("retried") is not None and g_box.final("retried.g2") is not None, timeout_s=20.0,
+    )
+    assert time.monotonic() - started < 15.0  # not the stalled push's 30 s deadline
+    results = {p.transfer_id: p for p in p_box.pushes if p.request_id == "retried"}
+    assert results[retry].ok, results[retry]
+    assert results[stalled].reason == FailureReason.CANCELLED.value and "superseded" in results[stalled].detail, results[stalled]
+    assert p_box.final("retried").handed_over
+    assert list(first) + [t for o in g_box.outputs if o.request_id == "retried.g2" for t in o.new_token_ids] == expected
+    assert free_blocks(ray, p_actor) == (128, 128)
+    assert free_blocks(ray, g_actor) == (128, 128)
 
 
 def test_hold_keeps_a_request_in_its_state(cluster) -> None:

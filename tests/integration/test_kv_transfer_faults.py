@@ -40,6 +40,7 @@ SENDER_RULES = [
     {"kind": "corrupt", "request_ids": ["tx-corrupt"], "chunk": 1},
     {"kind": "truncate", "request_ids": ["tx-truncate"], "chunk": 2},
     {"kind": "stall", "request_ids": ["tx-stall"], "chunk": 1, "seconds": 0.2},
+    {"kind": "stall", "request_ids": ["tx-cancel"], "chunk": 1},  # until cancelled
     {"kind": "close", "request_ids": ["tx-close"], "chunk": 2},
     {"kind": "kill", "request_ids": ["tx-kill"], "chunk": 2},
 ]
@@ -129,6 +130,33 @@ def test_harmful_faults_fail_with_the_same_reason_on_both_sides(
     assert result.events == (f"fail:{reason.value}",)  # told exactly once, never committed
     assert "fail-during-write" not in result.events and not any(e.startswith("write-after") for e in result.events)
     assert time.monotonic() - started < deadline_s + 5.0  # bounded, never a hang
+    _assert_still_serving(receiver, sender)
+
+
+def test_a_cancelled_push_returns_at_once_and_the_receiver_hears_why(receiver, sender) -> None:
+    """A push nobody waits for any more (its request released, or its transfer retried elsewhere
+    after it stalled) is cancelled instead of pinning its blocks until its deadline."""
+    import threading
+
+    assert not sender.cancel(new_transfer_id(), "no such push")
+    source = _source()
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "tx-cancel", LAYOUT, NUM_BLOCKS)
+    outcomes = []
+    pushing = threading.Thread(target=lambda: outcomes.append(sender.push(receiver.address, transfer_id, "tx-cancel", source, DEADLINE_S)))
+    started = time.monotonic()
+    pushing.start()
+    time.sleep(0.3)  # the push is stalled on its second chunk
+    assert pushing.is_alive()
+    assert sender.cancel(transfer_id, "the router retried the transfer elsewhere")
+    pushing.join(timeout=DEADLINE_S)
+    assert not pushing.is_alive() and time.monotonic() - started < DEADLINE_S / 2
+    (outcome,) = outcomes
+    assert outcome.failure is not None and outcome.failure.reason is FailureReason.CANCELLED, outcome.failure
+    assert "retried the transfer elsewhere" in outcome.failure.detail
+    result, _ = receiver.received_bytes(transfer_id, wait_s=5.0)
+    assert result.state == "FAILED" and result.failure_reason == FailureReason.CANCELLED.value, result
+    assert not sender.cancel(transfer_id, "over already")
     _assert_still_serving(receiver, sender)
 
 

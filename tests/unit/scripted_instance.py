@@ -48,7 +48,7 @@ class ScriptedInstance:
         self._batches: asyncio.Queue[PollBatch] = asyncio.Queue()
         self._sequence = 0
         self._holds: dict[str, asyncio.Event] = {}
-        self._failing: set[str] = set()
+        self._failing: dict[str, BaseException | None] = {}
         self._arrivals: dict[str, asyncio.Event] = {}
 
     # --- what the test does ---------------------------------------------------------------------------
@@ -66,12 +66,13 @@ class ScriptedInstance:
         """Wait until a held call of `method` has arrived."""
         await asyncio.wait_for(self._arrivals[method].wait(), timeout_s)
 
-    def fail(self, method: str) -> None:
-        """Calls of `method` fail as if the instance could not be reached, until `heal(method)`."""
-        self._failing.add(method)
+    def fail(self, method: str, error: BaseException | None = None) -> None:
+        """Calls of `method` fail as if the instance could not be reached (or with `error`, as a
+        refusal or a bug would), until `heal(method)`."""
+        self._failing[method] = error
 
     def heal(self, method: str) -> None:
-        self._failing.discard(method)
+        self._failing.pop(method, None)
 
     def let_go(self, method: str) -> None:
         self._holds.pop(method).set()
@@ -82,7 +83,7 @@ class ScriptedInstance:
     # --- InstanceClient ------------------------------------------------------------------------------
     async def _call(self, method: str, request_id: str) -> None:
         if method in self._failing:
-            raise InstanceUnavailable(f"{self.instance_id}: {method} failed (scripted)")
+            raise self._failing[method] or InstanceUnavailable(f"{self.instance_id}: {method} failed (scripted)")
         gate = self._holds.get(method)
         if gate is not None:
             self._arrivals[method].set()

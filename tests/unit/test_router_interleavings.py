@@ -188,3 +188,31 @@ def test_a_stop_that_could_not_reach_its_instance_is_sent_once_it_answers_again(
             await router.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("error", ["rejected", "bug"])
+def test_a_stop_that_raises_still_ends_the_request_for_its_client(error: str) -> None:
+    """An instance call that fails otherwise than by being unreachable (the instance refuses it, or
+    a bug raises) must not cost the request's other actions: the client still gets its final
+    event, and the router goes on serving."""
+    from cluster.router.instance_client import InstanceRejected
+
+    async def scenario():
+        p0, g0 = ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+        router = make_router(["fail"])
+        await start(router, p0, g0)
+        try:
+            handle = await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=REQUEST_ID))
+            await until(lambda: p0.called("submit", f"{REQUEST_ID}.p1"))
+            p0.fail("abort", InstanceRejected("request_id", "no such request") if error == "rejected" else RuntimeError("a bug"))
+            assert await router.abort(request_id=REQUEST_ID) == (True, "ABORTED")
+            final = await asyncio.wait_for(final_of(handle), 5.0)
+            assert final.outcome is Outcome.ABORTED
+            p0.heal("abort")
+            again = await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id="after"))
+            await until(lambda: p0.called("submit", "after.p1"))
+            assert again is not None and router.illegal_transitions == 0
+        finally:
+            await router.stop()
+
+    asyncio.run(scenario())

@@ -10,11 +10,12 @@ death explains; no transition is illegal, no report inconsistent; and once the i
 settled no live one holds a request or a block (cluster/sim/cluster.py simulate_async).
 
 Seeded: the same cases in every run, and every fifth case is run twice for the same results. A
-sweep of such cases (2026-12-07; 300 found them, 1,800 more ran clean after the fixes) found what
-this guards against: a push that committed while an earlier push of the request was still in
-flight freed the blocks under it; a fault plan drew other faults in every run (request ids were
-random); and a push still in flight when the run ended read as leaked blocks (the instances now
-settle first). Each of the three, put back, fails some of these cases.
+sweep of such cases (2026-12-07; 300 found them, 2,600 more ran clean after the fixes) found what
+this guards against: a fault plan drew other faults in every run (request ids were random); a
+push still in flight when the run ended read as leaked blocks (the instances now settle first);
+and a push that committed while an earlier push of the request was still in flight freed the
+blocks under it (worker/engine.py; here the simulated instance now cancels the earlier push when
+the retry's comes, as worker/instance.py does, so tests/unit/test_engine.py guards that one).
 """
 
 from __future__ import annotations

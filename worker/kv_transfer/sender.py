@@ -127,6 +127,7 @@ class KvSender:
         self._shm_tag = shm_tag
         self._shm_pool: SegmentPool | None = None
         self._shm_problem: str | None = None  # why this sender has no pool (it is not retried)
+        self._runs: dict[str, _PushRun] = {}  # pushes in progress, by transfer id (`cancel`)
 
     def close(self) -> None:
         with self._lock:
@@ -222,6 +223,21 @@ class KvSender:
         if connections is not None:
             connections.close()
 
+    def cancel(self, transfer_id: str, detail: str) -> bool:
+        """End the push of `transfer_id` now (any thread): it returns CANCELLED, telling the receiver
+        why, as soon as it waits for its streams (a Prepare or Commit call in progress runs to its own
+        timeout first). False when no such push is in progress.
+
+        For a push nobody waits for any more: its request was released or aborted, or the router
+        retried the transfer elsewhere (it stalled). Until it returns it pins its request's blocks
+        (worker/handover.py), up to its deadline."""
+        with self._lock:
+            run = self._runs.get(transfer_id)
+        if run is None:
+            return False
+        run.cancel(TransferFailure(FailureReason.CANCELLED, detail))
+        return True
+
     def push(
         self, target: str, transfer_id: str, request_id: str, source: TransferSource, deadline_s: float
     ) -> TransferOutcome:
@@ -236,7 +252,13 @@ class KvSender:
             raise ValueError(f"deadline_s must be a positive finite number of seconds, got {deadline_s!r}")
         run = _PushRun(self, target, transfer_id, request_id, source, self._clock() + deadline_s)
         started_s = self._clock()
-        failure = run.execute()
+        with self._lock:
+            self._runs[transfer_id] = run
+        try:
+            failure = run.execute()
+        finally:
+            with self._lock:
+                self._runs.pop(transfer_id, None)
         outcome = TransferOutcome(
             transfer_id=transfer_id,
             request_id=request_id,
@@ -306,6 +328,12 @@ class _PushRun:
 
     def remaining_s(self) -> float:
         return self.deadline_s - self.sender._clock()
+
+    def cancel(self, failure: TransferFailure) -> None:
+        """Any thread: end the push with `failure` (KvSender.cancel). The streams' wait returns it,
+        tells the receiver (Abort) and cancels the streams (`_fail`), which ends the waits of the
+        streams' own threads too."""
+        self._set_local_failure(failure)
 
     def _set_local_failure(self, failure: TransferFailure, *, skip_abort: bool = False) -> None:
         with self._lock:
