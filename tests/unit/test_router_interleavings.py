@@ -41,6 +41,17 @@ async def start(router: Router, *instances: ScriptedInstance) -> None:
         await router.add_instance(instance)
 
 
+def scripted_pair() -> tuple[ScriptedInstance, ScriptedInstance]:
+    return ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+
+
+async def submitted(router: Router, p0: ScriptedInstance, request_id: str = REQUEST_ID):
+    """Submit a disaggregated request and wait until its prefill hop reached p0."""
+    handle = await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=request_id))
+    await until(lambda: p0.called("submit", f"{request_id}.p1"))
+    return handle
+
+
 async def final_of(handle) -> FinalEvent:
     async for event in handle.events():
         if isinstance(event, FinalEvent):
@@ -116,12 +127,11 @@ def test_two_ends_at_once_end_the_request_once() -> None:
     deadline would) arrives meanwhile. The first one ends the request; the second finds it ended."""
 
     async def scenario():
-        p0, g0 = ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+        p0, g0 = scripted_pair()
         router = make_router(["fail"])
         await start(router, p0, g0)
         try:
-            handle = await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=REQUEST_ID))
-            await until(lambda: p0.called("submit", f"{REQUEST_ID}.p1"))
+            handle = await submitted(router, p0)
             p0.hold("abort")
             first = asyncio.create_task(router.abort(request_id=REQUEST_ID))
             await p0.arrived("abort")
@@ -145,7 +155,7 @@ def test_an_abort_never_overtakes_its_hops_submit() -> None:
     for nobody)."""
 
     async def scenario():
-        p0, g0 = ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+        p0, g0 = scripted_pair()
         router = make_router(["fail"])
         await start(router, p0, g0)
         try:
@@ -171,12 +181,11 @@ def test_a_stop_that_could_not_reach_its_instance_is_sent_once_it_answers_again(
     dead, and its next poll answers: the abort goes out then, so its blocks do not wait for a lease."""
 
     async def scenario():
-        p0, g0 = ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+        p0, g0 = scripted_pair()
         router = make_router(["fail"])
         await start(router, p0, g0)
         try:
-            await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=REQUEST_ID))
-            await until(lambda: p0.called("submit", f"{REQUEST_ID}.p1"))
+            await submitted(router, p0)
             p0.fail("abort")
             assert await router.abort(request_id=REQUEST_ID) == (True, "ABORTED")
             assert not p0.called("abort")
@@ -198,20 +207,18 @@ def test_a_stop_that_raises_still_ends_the_request_for_its_client(error: str) ->
     from cluster.router.instance_client import InstanceRejected
 
     async def scenario():
-        p0, g0 = ScriptedInstance("p0", InstanceRole.PREFILL, port=1), ScriptedInstance("g0", InstanceRole.GENERATION, port=2)
+        p0, g0 = scripted_pair()
         router = make_router(["fail"])
         await start(router, p0, g0)
         try:
-            handle = await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=REQUEST_ID))
-            await until(lambda: p0.called("submit", f"{REQUEST_ID}.p1"))
+            handle = await submitted(router, p0)
             p0.fail("abort", InstanceRejected("request_id", "no such request") if error == "rejected" else RuntimeError("a bug"))
             assert await router.abort(request_id=REQUEST_ID) == (True, "ABORTED")
             final = await asyncio.wait_for(final_of(handle), 5.0)
             assert final.outcome is Outcome.ABORTED
             p0.heal("abort")
-            again = await router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id="after"))
-            await until(lambda: p0.called("submit", "after.p1"))
-            assert again is not None and router.illegal_transitions == 0
+            await submitted(router, p0, "after")  # and it goes on serving
+            assert router.illegal_transitions == 0
         finally:
             await router.stop()
 
