@@ -594,7 +594,9 @@ class Instance:
             try:
                 with self._push_lock:
                     cancelled = self._pushes_in_flight.get(request_id, {}).get(transfer_id)
-                if cancelled is not None:  # before it began; from here on the sender takes a cancel
+                # Cancelled before it began. From the sender's start of the push on, KvSender.cancel
+                # ends it; a cancel in the moment between is lost, and the push runs to its end.
+                if cancelled is not None:
                     failure: TransferFailure | None = TransferFailure(FailureReason.CANCELLED, cancelled)
                     result = PushResult(request_id, transfer_id, False, FailureReason.CANCELLED.value, cancelled, 0, 0.0)
                 else:
