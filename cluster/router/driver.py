@@ -380,6 +380,13 @@ class Router:
         move; then the instance calls, in the flow's order."""
         for action in actions:
             self._note(entry, action)
+        await self._execute(entry, actions)
+
+    async def _execute(self, entry: _Entry, actions: list[Action]) -> None:
+        """The instance calls and client events of actions whose notes were taken, in the flow's
+        order. A call that fails unexpectedly (an instance's bug) is logged and costs the request
+        none of its other actions: its final event above all, without which its client would wait
+        forever (an ended request has left the router's books)."""
         for action in actions:
             try:
                 if isinstance(action, StartHop):
@@ -394,9 +401,7 @@ class Router:
                     self._emit(entry, action)
                 elif isinstance(action, Finish):
                     self._deliver_final(entry)
-            except Exception:  # noqa: BLE001 - a call that fails unexpectedly (an instance's bug) must
-                # not cost the request its other actions: its final event above all, without which
-                # its client would wait forever (the request has left the router's books).
+            except Exception:  # noqa: BLE001 - see the docstring
                 logger.exception("%s of request %s failed", type(action).__name__, entry.flow.request_id)
 
     def _note(self, entry: _Entry, action: Action) -> None:
@@ -540,7 +545,7 @@ class Router:
             actions = entry.flow.abort(self._clock(), ErrorKind.CANCELLED, "the client stopped reading its stream")
             for later in actions:
                 self._note(entry, later)
-            task = asyncio.get_running_loop().create_task(self._execute_io(entry, actions))
+            task = asyncio.get_running_loop().create_task(self._execute(entry, actions))  # its stops and its final
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             return
@@ -553,17 +558,6 @@ class Router:
             self.observer.tokens_after(now - entry.last_token_s, len(action.event.token_ids))
         entry.last_token_s = now
         entry.events.put_nowait(action.event)
-
-    async def _execute_io(self, entry: _Entry, actions: list[Action]) -> None:
-        """The I/O part of `_run`, for actions whose notes were taken already."""
-        for action in actions:
-            try:
-                if isinstance(action, StopHop):
-                    await self._stop_hop(action)
-                elif isinstance(action, Finish):
-                    self._deliver_final(entry)
-            except Exception:  # noqa: BLE001 - as in _run: the other actions still go out
-                logger.exception("%s of request %s failed", type(action).__name__, entry.flow.request_id)
 
     def _deliver_final(self, entry: _Entry) -> None:
         final = entry.flow.final
