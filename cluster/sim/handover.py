@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler.request import LlmRequest
 from scheduler.state import LlmRequestState
@@ -45,12 +45,11 @@ class SimRequest:
     num_cached_tokens: int = 0
     transfer_id: str | None = None  # generation side: its reservation
     reserved: bool = False
-    # Prefill side: its pushes in flight, which read its blocks: transfer id -> what cancels it
-    # (worker/instance.py cancels a push nobody waits for any more).
-    pushes_in_flight: dict[str, Callable[[str], None]] = field(default_factory=dict)
-    # Prefill side: how it ends once the last push in flight returns (the first end asked for wins,
-    # as worker/handover.py defer_end keeps it): an abort's, a release's, or a handed-over end.
-    end_after_push: Callable[[], None] | None = None
+    # Prefill side: what cancels its push in flight, which reads its blocks. At most one: a new push,
+    # a release or an abort cancels it first (worker/instance.py cancels a push nobody waits for any
+    # more), and a simulated cancel takes effect at once. So no end here waits for a push, where
+    # worker/engine.py, whose cancel takes the sender's Abort, defers it (worker/handover.py).
+    cancel_push: Callable[[str], None] | None = None
     # Prefill side: a push relayed while the context computes (an early reservation), started the
     # moment the context is done, as worker/engine.py Engine.defer_push keeps it. (Chunk streaming
     # is not modelled: the whole KV moves after the context.)
@@ -60,8 +59,8 @@ class SimRequest:
 
     @property
     def pushes(self) -> int:
-        """Prefill side: pushes in flight."""
-        return len(self.pushes_in_flight)
+        """Prefill side: pushes in flight (0 or 1)."""
+        return 0 if self.cancel_push is None else 1
 
 
 class HandoverSide:
@@ -92,7 +91,7 @@ class HandoverSide:
         self._after_change()
 
     def _lease_expired(self, request: SimRequest) -> None:
-        if request.finished or request.pushes or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+        if request.finished or request.cancel_push is not None or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return
         detail = f"KV not taken within the sender lease of {self.config.sender_lease_s}s"
         self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=RequestError(ErrorCode.LEASE_EXPIRED, detail))
@@ -135,14 +134,14 @@ class HandoverSide:
             done.cancel()
             self._transfer_done(request, receiver, transfer_id, target_request_id, num_bytes, now, (FailureReason.CANCELLED, detail))
 
-        request.pushes_in_flight[transfer_id] = cancel
+        assert request.cancel_push is None, "a push started beside one in flight (cancel it first)"
+        request.cancel_push = cancel
 
     @staticmethod
-    def _cancel_pushes(request: SimRequest, detail: str, keep: str | None = None) -> None:
-        """Cancel the request's pushes in flight but `keep`'s (worker/instance.py _cancel_pushes)."""
-        for transfer_id, cancel in list(request.pushes_in_flight.items()):
-            if transfer_id != keep:
-                cancel(detail)
+    def _cancel_push(request: SimRequest, detail: str) -> None:
+        """Cancel the request's push in flight, if any (worker/instance.py _cancel_pushes)."""
+        if request.cancel_push is not None:
+            request.cancel_push(detail)
 
     def _draw_faults(
         self, faults: FaultInjector, transfer_id: str, request_id: str, receiver: HandoverSide | None, num_blocks: int, deadline_s: float
@@ -186,24 +185,18 @@ class HandoverSide:
             failure = (FailureReason.UNKNOWN_TRANSFER, f"{transfer_id} is not open on the receiver")
         elif failure is not None and receiver is not None and not receiver.dead:
             receiver._transfer_failed(transfer_id, target_request_id, failure)
-        request.pushes_in_flight.pop(transfer_id, None)
+        request.cancel_push = None
         rid = request.submit.request_id
         if failure is None:
             self._pushes.append(PushResult(rid, transfer_id, True, None, "", num_bytes, elapsed_s))
         else:
             self.stats.transfers_failed += 1
             self._pushes.append(PushResult(rid, transfer_id, False, failure[0].value, failure[1], 0, elapsed_s))
-        if request.pushes == 0 and request.end_after_push is not None:
-            request.end_after_push()
-        elif not request.finished:
-            if failure is not None:
-                self._event(rid, request.llm.state, f"push failed: {failure[0].value}: {failure[1]}")
-            elif request.pushes == 0:
+        if not request.finished:
+            if failure is None:
                 self._finish(request, S.DISAGG_CONTEXT_COMPLETE, None, None, handed_over=True)
-            elif request.end_after_push is None:
-                # An earlier push still reads the blocks (a stalled one this push, a retry, went
-                # past): the request ends, handed over, once it returns (worker/engine.py _on_push).
-                request.end_after_push = lambda: self._finish(request, S.DISAGG_CONTEXT_COMPLETE, None, None, handed_over=True)
+            else:
+                self._event(rid, request.llm.state, f"push failed: {failure[0].value}: {failure[1]}")
         self._after_change()
 
     def _receive(self, transfer_id: str, request_id: str) -> bool:

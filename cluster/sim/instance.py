@@ -290,16 +290,8 @@ class SimInstance(HandoverSide):
         if request is None or request.finished:
             return
 
-        def end() -> None:
-            self._finish(request, S.GENERATION_COMPLETE, 0, FinishReason.ABORT, error=RequestError(ErrorCode.ABORTED, detail))
-
-        self._cancel_pushes(request, f"the request was aborted: {detail}")
-        if request.finished:  # an end deferred behind the cancelled pushes ran as they returned
-            pass
-        elif not request.pushes:
-            end()
-        elif request.end_after_push is None:  # the first end asked for wins (worker/handover.py defer_end)
-            request.end_after_push = end
+        self._cancel_push(request, f"the request was aborted: {detail}")
+        self._finish(request, S.GENERATION_COMPLETE, 0, FinishReason.ABORT, error=RequestError(ErrorCode.ABORTED, detail))
         self._after_change()
 
     async def release(self, request_id: str, reason: FailureReason, detail: str) -> None:
@@ -308,17 +300,9 @@ class SimInstance(HandoverSide):
         if request is None or request.finished or request.llm.state is not S.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
             return
 
-        def end() -> None:
-            error = RequestError(ErrorCode.TRANSFER_FAILED, detail, reason.value)
-            self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
-
-        self._cancel_pushes(request, f"the hand-over was released: {detail}")
-        if request.finished:  # an end deferred behind the cancelled pushes ran as they returned
-            pass
-        elif not request.pushes:
-            end()
-        elif request.end_after_push is None:  # the first end asked for wins (worker/handover.py defer_end)
-            request.end_after_push = end
+        self._cancel_push(request, f"the hand-over was released: {detail}")
+        error = RequestError(ErrorCode.TRANSFER_FAILED, detail, reason.value)
+        self._finish(request, S.DISAGG_TRANS_ERROR, 0, FinishReason.ERROR, error=error)
         self._after_change()
 
     async def push(self, request_id: str, target: str, transfer_id: str, deadline_s: float, target_request_id: str) -> None:
@@ -338,7 +322,7 @@ class SimInstance(HandoverSide):
             self._wake()
             return
         # The router pushes a request again only once it gave the earlier push up (worker/instance.py).
-        self._cancel_pushes(request, f"superseded by transfer {transfer_id}", keep=transfer_id)
+        self._cancel_push(request, f"superseded by transfer {transfer_id}")
         self._transfer(request, target, transfer_id, deadline_s, target_request_id or request_id)
 
     async def renew(self, request_ids: tuple[str, ...]) -> None:
