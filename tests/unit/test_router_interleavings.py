@@ -9,6 +9,8 @@ an abort ahead of its hop's submit. Each failed before the fix it guards.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from scripted_instance import VOCAB_SIZE, ScriptedInstance, until
@@ -35,10 +37,17 @@ def make_router(chain: list[str]) -> Router:
     return Router(config, ByteTokenizer(), vocab_size=VOCAB_SIZE, max_seq_len=4096, tokens_per_block=16, seed=1)
 
 
-async def start(router: Router, *instances: ScriptedInstance) -> None:
+@contextlib.asynccontextmanager
+async def serving(chain: list[str], *instances: ScriptedInstance) -> AsyncIterator[Router]:
+    """A started router (make_router) with `instances` added, stopped on the way out."""
+    router = make_router(chain)
     await router.start()
-    for instance in instances:
-        await router.add_instance(instance)
+    try:
+        for instance in instances:
+            await router.add_instance(instance)
+        yield router
+    finally:
+        await router.stop()
 
 
 def scripted_pair() -> tuple[ScriptedInstance, ScriptedInstance]:
@@ -94,10 +103,8 @@ def test_a_client_abort_during_a_recovery_ends_the_request_and_starts_no_hop(act
             )
         }
         p0, g0 = instances["p0"], instances["g0"]
-        router = make_router(chain)
         # Only p0 takes the first prefill: p1 joins once the request is placed.
-        await start(router, p0, g0)
-        try:
+        async with serving(chain, p0, g0) as router:
             handle = await into_transmission(router, p0, g0, REQUEST_ID)
             await router.add_instance(instances["p1"])
             instances[held_on].hold(held_call)
@@ -116,8 +123,6 @@ def test_a_client_abort_during_a_recovery_ends_the_request_and_starts_no_hop(act
             assert not instances[new_on].called("submit", REQUEST_ID + new_suffix), "a hop was started for an ended request"
             # Both old hops were told to free their blocks.
             assert p0.called("abort", f"{REQUEST_ID}.p1") and g0.called("abort", f"{REQUEST_ID}.g1")
-        finally:
-            await router.stop()
 
     asyncio.run(scenario())
 
@@ -128,9 +133,7 @@ def test_two_ends_at_once_end_the_request_once() -> None:
 
     async def scenario():
         p0, g0 = scripted_pair()
-        router = make_router(["fail"])
-        await start(router, p0, g0)
-        try:
+        async with serving(["fail"], p0, g0) as router:
             handle = await submitted(router, p0)
             p0.hold("abort")
             first = asyncio.create_task(router.abort(request_id=REQUEST_ID))
@@ -143,8 +146,6 @@ def test_two_ends_at_once_end_the_request_once() -> None:
             assert final.outcome is Outcome.ABORTED
             assert router.illegal_transitions == 0
             assert [state.state for state in final.timeline].count("ABORTED") == 1
-        finally:
-            await router.stop()
 
     asyncio.run(scenario())
 
@@ -156,9 +157,7 @@ def test_an_abort_never_overtakes_its_hops_submit() -> None:
 
     async def scenario():
         p0, g0 = scripted_pair()
-        router = make_router(["fail"])
-        await start(router, p0, g0)
-        try:
+        async with serving(["fail"], p0, g0) as router:
             p0.hold("submit")
             submitting = asyncio.create_task(router.submit(ClientRequest(None, (1, 2, 3), GREEDY, client_request_id=REQUEST_ID)))
             await p0.arrived("submit")
@@ -170,8 +169,6 @@ def test_an_abort_never_overtakes_its_hops_submit() -> None:
             await until(lambda: p0.called("abort"))
             assert p0.calls == [("submit", f"{REQUEST_ID}.p1"), ("abort", f"{REQUEST_ID}.p1")]
             assert final.outcome is Outcome.ABORTED and router.illegal_transitions == 0
-        finally:
-            await router.stop()
 
     asyncio.run(scenario())
 
@@ -182,9 +179,7 @@ def test_a_stop_that_could_not_reach_its_instance_is_sent_once_it_answers_again(
 
     async def scenario():
         p0, g0 = scripted_pair()
-        router = make_router(["fail"])
-        await start(router, p0, g0)
-        try:
+        async with serving(["fail"], p0, g0) as router:
             await submitted(router, p0)
             p0.fail("abort")
             assert await router.abort(request_id=REQUEST_ID) == (True, "ABORTED")
@@ -193,8 +188,6 @@ def test_a_stop_that_could_not_reach_its_instance_is_sent_once_it_answers_again(
             p0.report()  # it answers a poll again
             await until(lambda: p0.called("abort", f"{REQUEST_ID}.p1"))
             assert router.illegal_transitions == 0
-        finally:
-            await router.stop()
 
     asyncio.run(scenario())
 
@@ -208,9 +201,7 @@ def test_a_stop_that_raises_still_ends_the_request_for_its_client(error: str) ->
 
     async def scenario():
         p0, g0 = scripted_pair()
-        router = make_router(["fail"])
-        await start(router, p0, g0)
-        try:
+        async with serving(["fail"], p0, g0) as router:
             handle = await submitted(router, p0)
             p0.fail("abort", InstanceRejected("request_id", "no such request") if error == "rejected" else RuntimeError("a bug"))
             assert await router.abort(request_id=REQUEST_ID) == (True, "ABORTED")
@@ -219,7 +210,5 @@ def test_a_stop_that_raises_still_ends_the_request_for_its_client(error: str) ->
             p0.heal("abort")
             await submitted(router, p0, "after")  # and it goes on serving
             assert router.illegal_transitions == 0
-        finally:
-            await router.stop()
 
     asyncio.run(scenario())
