@@ -590,22 +590,22 @@ class Instance:
         with self._push_lock:
             self._pushes_in_flight.setdefault(request_id, {})[transfer_id] = None
 
+        def cancelled() -> str | None:
+            """Why `_cancel_pushes` cancelled this push, or None. It records the reason before it
+            calls KvSender.cancel, so a cancel that comes before the sender can find the push is
+            seen here (KvSender.push asks once it can)."""
+            with self._push_lock:
+                return self._pushes_in_flight.get(request_id, {}).get(transfer_id)
+
         def run() -> None:
+            failure: TransferFailure | None
             try:
-                with self._push_lock:
-                    cancelled = self._pushes_in_flight.get(request_id, {}).get(transfer_id)
-                # Cancelled before it began. From the sender's start of the push on, KvSender.cancel
-                # ends it; a cancel in the moment between is lost, and the push runs to its end.
-                if cancelled is not None:
-                    failure: TransferFailure | None = TransferFailure(FailureReason.CANCELLED, cancelled)
-                    result = PushResult(request_id, transfer_id, False, FailureReason.CANCELLED.value, cancelled, 0, 0.0)
-                else:
-                    outcome = sender.push(target, transfer_id, target_request_id, source, deadline_s)
-                    failure = outcome.failure
-                    result = PushResult(
-                        request_id, transfer_id, outcome.ok, None if failure is None else failure.reason.value,
-                        "" if failure is None else failure.detail, outcome.bytes_sent, outcome.elapsed_s,
-                    )
+                outcome = sender.push(target, transfer_id, target_request_id, source, deadline_s, cancelled)
+                failure = outcome.failure
+                result = PushResult(
+                    request_id, transfer_id, outcome.ok, None if failure is None else failure.reason.value,
+                    "" if failure is None else failure.detail, outcome.bytes_sent, outcome.elapsed_s,
+                )
             except Exception as error:  # noqa: BLE001 - a push must always report back
                 failure = TransferFailure(FailureReason.INTERNAL, f"{type(error).__name__}: {error}")
                 result = PushResult(request_id, transfer_id, False, failure.reason.value, failure.detail, 0, 0.0)

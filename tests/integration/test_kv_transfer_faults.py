@@ -160,6 +160,38 @@ def test_a_cancelled_push_returns_at_once_and_the_receiver_hears_why(receiver, s
     _assert_still_serving(receiver, sender)
 
 
+def test_a_cancel_that_comes_before_the_push_can_be_found_is_not_lost(receiver, sender) -> None:
+    """The instance records why it cancels a push, then calls KvSender.cancel. A cancel that lands
+    after the instance handed the push to its thread but before the sender registered it finds no
+    push to end; the push's `cancelled` check, asked once it can be found, sees the record instead,
+    and the push ends before its Prepare (it used to run to its end, pinning its blocks)."""
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "tx-cancel", LAYOUT, NUM_BLOCKS)  # would stall until cancelled
+    recorded = {transfer_id: "superseded by another transfer"}
+    assert not sender.cancel(transfer_id, recorded[transfer_id])  # too early: nothing to end yet
+    started = time.monotonic()
+    outcome = sender.push(receiver.address, transfer_id, "tx-cancel", _source(), DEADLINE_S, lambda: recorded.get(transfer_id))
+    assert outcome.failure is not None and outcome.failure.reason is FailureReason.CANCELLED, outcome.failure
+    assert outcome.failure.detail == "superseded by another transfer"
+    assert outcome.chunks_sent == 0 and outcome.bytes_sent == 0
+    assert time.monotonic() - started < DEADLINE_S / 2  # not run to its deadline
+    assert receiver.result(transfer_id).state == "UNOPENED"  # never prepared: nothing to abort there
+    assert not sender.cancel(transfer_id, "over already")
+    # A check that finds no record changes nothing.
+    outcome, result, data, source = _push_checked(receiver, sender, lambda: None)
+    assert outcome.ok, outcome.failure
+    assert result.state == "COMMITTED" and data == bytes(source.view)
+
+
+def _push_checked(receiver: ReceiverProcess, sender: KvSender, cancelled):
+    source = _source()
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "healthy", LAYOUT, NUM_BLOCKS)
+    outcome = sender.push(receiver.address, transfer_id, "healthy", source, DEADLINE_S, cancelled)
+    result, data = receiver.received_bytes(transfer_id, wait_s=5.0)
+    return outcome, result, data, source
+
+
 def test_refused_prepare_opens_nothing(receiver, sender) -> None:
     outcome, result, _, _ = _push(receiver, sender, "rx-refuse")
     assert outcome.failure is not None and outcome.failure.reason is FailureReason.RESOURCE_EXHAUSTED

@@ -226,7 +226,8 @@ class KvSender:
     def cancel(self, transfer_id: str, detail: str) -> bool:
         """End the push of `transfer_id` now (any thread): it returns CANCELLED, telling the receiver
         why, as soon as it waits for its streams (a Prepare or Commit call in progress runs to its own
-        timeout first). False when no such push is in progress.
+        timeout first). False when no such push is in progress: a caller that may cancel a push
+        about to start gives `push` its `cancelled` check, which closes that gap.
 
         For a push nobody waits for any more: its request was released or aborted, or the router
         retried the transfer elsewhere (it stalled). Until it returns it pins its request's blocks
@@ -239,10 +240,16 @@ class KvSender:
         return True
 
     def push(
-        self, target: str, transfer_id: str, request_id: str, source: TransferSource, deadline_s: float
+        self, target: str, transfer_id: str, request_id: str, source: TransferSource, deadline_s: float,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> TransferOutcome:
         """Push all of `source` to the receiver at `target` (host:port) under `transfer_id`; the whole
         push (prepare, chunks, commit) must finish within `deadline_s` seconds from now.
+
+        `cancelled`, asked once the push can be cancelled (`cancel` finds it): why it was cancelled
+        before then, or None. A caller that records a cancel before calling `cancel` thus loses none:
+        either this check sees the record, or `cancel` comes after it and finds the push. A push
+        cancelled before its Prepare returns CANCELLED without contacting the receiver.
 
         Raises ValueError only for invalid arguments (a caller's bug); every transfer failure is
         returned in the outcome."""
@@ -255,6 +262,9 @@ class KvSender:
         with self._lock:
             self._runs[transfer_id] = run
         try:
+            why = None if cancelled is None else cancelled()
+            if why is not None:
+                run.cancel(TransferFailure(FailureReason.CANCELLED, why))
             failure = run.execute()
         finally:
             with self._lock:
@@ -359,6 +369,8 @@ class _PushRun:
         return TransferFailure(reason, details)
 
     def execute(self) -> TransferFailure | None:
+        if (cancelled := self.local_failure) is not None:
+            return cancelled  # before the Prepare: the receiver has nothing of it to abort
         try:
             connections = self.sender._connect(self.target)
         except ValueError as error:
