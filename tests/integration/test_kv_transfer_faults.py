@@ -6,7 +6,10 @@ removed by the sweep a launcher runs."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import signal
+import threading
 import time
 
 import msgspec
@@ -136,8 +139,6 @@ def test_harmful_faults_fail_with_the_same_reason_on_both_sides(
 def test_a_cancelled_push_returns_at_once_and_the_receiver_hears_why(receiver, sender) -> None:
     """A push nobody waits for any more (its request released, or its transfer retried elsewhere
     after it stalled) is cancelled instead of pinning its blocks until its deadline."""
-    import threading
-
     assert not sender.cancel(new_transfer_id(), "no such push")
     source = _source()
     transfer_id = new_transfer_id()
@@ -181,6 +182,43 @@ def test_a_cancel_that_comes_before_the_push_can_be_found_is_not_lost(receiver, 
     outcome, result, data, source = _push_checked(receiver, sender, lambda: None)
     assert outcome.ok, outcome.failure
     assert result.state == "COMMITTED" and data == bytes(source.view)
+
+
+class _Computing(LinearKvBuffer):
+    """A StreamingTransferSource none of whose blocks is final yet: a push relayed at a context's
+    start, whose deadline is the whole transfer timeout."""
+
+    def wait_ready(self, have_blocks: int, timeout_s: float) -> int:
+        time.sleep(min(timeout_s, 0.05))
+        return have_blocks
+
+
+def test_a_cancel_ends_a_prepare_that_the_receiver_never_answers(receiver, sender) -> None:
+    """A stopped receiver takes the connection and never answers. A push relayed at its context's
+    start waits in its Prepare; when the router gives the transfer up, the cancel ends that wait at
+    once (it used to hold the push, and the blocks it pins, to its deadline)."""
+    source = _Computing(LAYOUT, NUM_BLOCKS, bytearray(LAYOUT.run_bytes(LAYOUT.num_layers, NUM_BLOCKS)))
+    transfer_id = new_transfer_id()
+    receiver.expect(transfer_id, "healthy", LAYOUT, NUM_BLOCKS)
+    outcomes = []
+    pushing = threading.Thread(target=lambda: outcomes.append(sender.push(receiver.address, transfer_id, "healthy", source, DEADLINE_S)))
+    os.kill(receiver.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        pushing.start()
+        time.sleep(0.3)  # in its Prepare
+        assert pushing.is_alive()
+        assert sender.cancel(transfer_id, "the router gave the transfer up")
+        pushing.join(timeout=DEADLINE_S)
+        # The cancel, then _fail's Abort to the stopped receiver (SENDER_CONFIG.abort_timeout_s, 1 s).
+        assert not pushing.is_alive() and time.monotonic() - started < DEADLINE_S / 2
+    finally:
+        os.kill(receiver.pid, signal.SIGCONT)
+    (outcome,) = outcomes
+    assert outcome.failure is not None and outcome.failure.reason is FailureReason.CANCELLED, outcome.failure
+    assert outcome.chunks_sent == 0
+    assert receiver.result(transfer_id, wait_s=0.5).state != "COMMITTED"
+    _assert_still_serving(receiver, sender)
 
 
 def _push_checked(receiver: ReceiverProcess, sender: KvSender, cancelled):

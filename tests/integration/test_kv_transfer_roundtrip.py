@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -221,14 +222,21 @@ def test_the_stream_ends_on_its_last_chunk_when_the_receiver_offers_it(
         real_prepare = connections.prepare
         offers: list[bool] = []
 
-        def prepare(request, **kwargs):
-            answer = real_prepare(request, **kwargs)
+        def seen(answer):
             offers.append(answer.last_chunk_ends_stream)
             if not offered:
                 answer.last_chunk_ends_stream = False  # as a receiver from before the field answers
             return answer
 
-        monkeypatch.setattr(connections, "prepare", prepare)
+        class Prepare:  # the blocking call, and the cancellable one a push on a computing context makes
+            def __call__(self, request, **kwargs):
+                return seen(real_prepare(request, **kwargs))
+
+            def future(self, request, **kwargs):
+                call = real_prepare.future(request, **kwargs)
+                return SimpleNamespace(result=lambda: seen(call.result()), cancel=call.cancel)
+
+        monkeypatch.setattr(connections, "prepare", Prepare())
         commits = _counting_commits(sender, receiver.address, monkeypatch)
         computing = threading.Thread(target=source.compute, args=(tokens,)) if streamed else None
         if computing is not None:

@@ -288,6 +288,10 @@ class KvSender:
         return outcome
 
 
+class _PushCancelled(Exception):
+    """A cancellable call ended by the push's local failure (which says why)."""
+
+
 def _closed_channel(error: ValueError) -> TransferFailure:
     """grpc raises ValueError ("Cannot invoke RPC: Channel closed!") for a call started on a closed
     channel: a stream's connection-closing failure (or the fault injector's close) got there
@@ -333,6 +337,8 @@ class _PushRun:
         self._live: _Connections | None = None  # the connections in use (replaced once if closed under us)
         self.committed_with_stream = False  # the last stream carried the commit and the receiver committed
         self._reconnects = 0
+        # A Prepare in progress that `cancel` may end (_cancellable_prepare), under _lock.
+        self._prepare_call: grpc.Future | None = None
         injector = sender._faults
         self.faults = injector.begin_transfer(FaultSide.SENDER, transfer_id, request_id) if injector is not None else None
 
@@ -342,7 +348,7 @@ class _PushRun:
     def cancel(self, failure: TransferFailure) -> None:
         """Any thread: end the push with `failure` (KvSender.cancel). The streams' wait returns it,
         tells the receiver (Abort) and cancels the streams (`_fail`), which ends the waits of the
-        streams' own threads too."""
+        streams' own threads too; a cancellable Prepare in progress is cut short."""
         self._set_local_failure(failure)
 
     def _set_local_failure(self, failure: TransferFailure, *, skip_abort: bool = False) -> None:
@@ -350,7 +356,35 @@ class _PushRun:
             if self._local_failure is None:
                 self._local_failure = failure
                 self._skip_abort = skip_abort
+            prepare = self._prepare_call
         self._done.put(None)  # wakes _wait, which reads the local failure
+        if prepare is not None:
+            prepare.cancel()  # ends _cancellable_prepare's wait
+
+    def _cancellable_prepare(self, on: _Connections, request: pb.KvPrepareRequest, metadata: Any) -> pb.KvPrepareResponse:
+        """The Prepare call as a future that a local failure cancels (raises _PushCancelled then).
+        For a push started on a context still computing: its deadline is the whole transfer
+        timeout, and a receiver that takes the connection but never answers (a stopped process)
+        would hold it, and the blocks it pins, that long after the router gave it up. The blocking
+        call the other pushes make is cheaper (about 0.15 ms less on loopback), and their deadline
+        is already the router's stall bound."""
+        call = on.prepare.future(request, timeout=self.remaining_s(), metadata=metadata)
+        with self._lock:
+            self._prepare_call = call
+            failed = self._local_failure is not None
+        try:
+            if failed:
+                call.cancel()
+            return call.result()
+        except grpc.FutureCancelledError:
+            raise _PushCancelled from None
+        except grpc.RpcError:
+            if self.local_failure is not None:
+                raise _PushCancelled from None  # the cancel surfaced as the call's error
+            raise
+        finally:
+            with self._lock:
+                self._prepare_call = None
 
     @property
     def local_failure(self) -> TransferFailure | None:
@@ -430,12 +464,20 @@ class _PushRun:
             checksum_algorithms=config.checksum_algorithm_values,
             shm_offer=offer,
         )
+        early = isinstance(source, StreamingTransferSource) and source.wait_ready(0, 0.0) < source.num_blocks
+
         def prepare(on: _Connections) -> pb.KvPrepareResponse:
             request.timeout_s = self.remaining_s()
+            if early:
+                return self._cancellable_prepare(on, request, metadata)
             return on.prepare(request, timeout=self.remaining_s(), metadata=metadata)
 
         try:
             connections, answer = self._reconnecting(connections, prepare)
+        except _PushCancelled:
+            cancelled = self.local_failure
+            assert cancelled is not None, "raised only once a local failure is set"
+            return self._fail(self._live or connections, cancelled)  # its Abort: the receiver may have opened it
         except grpc.RpcError as error:
             failure = self._failure_from_rpc(error)
             if failure.reason is FailureReason.DEADLINE_EXCEEDED:
