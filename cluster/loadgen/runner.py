@@ -102,12 +102,14 @@ class LoadRunner:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_done: Callable[[RequestRecord], None] | None = None,
+        on_first_token: Callable[[int], None] | None = None,
     ) -> None:
         self._client = client
         self._sampling = sampling
         self._clock = clock
         self._sleep = sleep
         self._on_done = on_done
+        self._on_first_token = on_first_token  # (request index), as its first tokens arrive
 
     async def warmup(
         self, requests: Sequence[BenchRequest], concurrency: int = DEFAULT_WARMUP_CONCURRENCY
@@ -228,6 +230,8 @@ class _Run:
                     arrived_s = self.now_s()
                     if isinstance(event, Delta):
                         if event.token_ids:
+                            if not chunk_times_s and self.report and self.runner._on_first_token is not None:
+                                self.runner._on_first_token(request.index)
                             chunk_times_s.append(arrived_s)
                             chunk_tokens.append(len(event.token_ids))
                             output_ids.extend(event.token_ids)

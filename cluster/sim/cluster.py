@@ -268,9 +268,11 @@ async def simulate_async(
     *,
     on_done: Any = None,
     on_start: Any = None,
+    on_first_token: Any = None,
     instances_out: list[SimInstance] | None = None,
 ) -> SimOutcome:
-    """`on_done(record)` for each request as it ends; `on_start(loop_time_s)` when the first request
+    """`on_done(record)` for each request as it ends; `on_first_token(index)` as the first tokens of
+    the request of that index arrive; `on_start(loop_time_s)` when the first request
     could be sent (the instances registered): the time the arrivals' offsets count from;
     `instances_out` receives the simulated instances (their stats, should the run be cancelled)."""
     check_deaths(config, settings.deaths)  # before any work
@@ -300,7 +302,9 @@ async def simulate_async(
         loop.call_at(started_s + death.at_s, instance.kill)
         if death.restart_after_s is not None:
             loop.call_at(started_s + death.at_s + death.restart_after_s, instance.restart)
-    runner = LoadRunner(RouterClient(router, settings.frontend_s), settings.sampling, clock=loop.time, on_done=on_done)
+    runner = LoadRunner(
+        RouterClient(router, settings.frontend_s), settings.sampling, clock=loop.time, on_done=on_done, on_first_token=on_first_token
+    )
     if on_start is not None:
         on_start(started_s)
     outcome = await runner.run(requests, arrivals, seed=settings.seed)

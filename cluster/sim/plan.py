@@ -15,11 +15,14 @@ the window is followed by copies of itself whose token ids are shifted (the same
 prefix shared with an earlier copy), never cut short: a probe that sent only the pool would be a
 burst the size of the pool at any rate, which a large enough cluster absorbs at every rate.
 
-A request that has not finished by the latest time at which it could still meet the SLOs (its send
-time + TTFT + TPOT x (max_tokens - 1), or + the e2e objective) has missed them, whether or not it
-ever finishes; a probe ends as soon as its verdict is certain (enough requests met the SLOs, or
-too many missed them), so an overloaded probe costs a fraction of its window, not the drain of
-its queue. The verdict is the one the whole run would give.
+A request has missed the SLOs, whether or not it ever finishes, once it is certain: it has no token
+by its send time + the TTFT objective; or it has not finished by its first token's time + TPOT x
+(max_tokens - 1) (its TPOT, the mean gap after the first token, is then over the objective however
+many tokens it ends with), or by its send time + the e2e objective. A probe ends as soon as its
+verdict is certain (enough requests met the SLOs, or too many missed them), so an overloaded probe
+costs a fraction of its window, not the drain of its queue: a prompt queue shows within the TTFT
+objective, a decode queue within a request's TPOT allowance. The verdict is the one the whole run
+would give.
 """
 
 from __future__ import annotations
@@ -124,6 +127,9 @@ class Probe:
     # Per role, the share of steps at the engine's request limit with requests waiting (the limit,
     # not the simulated device, capped those batches: cluster/sim/cluster.py request_limited_by_role).
     request_limited: dict[str, float] = field(default_factory=dict)
+    # Simulated seconds from the first send to the verdict (or to the run's end): how much of its
+    # window the probe took.
+    simulated_s: float = 0.0
 
 
 @dataclass
@@ -212,8 +218,8 @@ def probe_window_s(life_s: float, at_least_s: float = 30.0) -> float:
 
 
 class _Verdict:
-    """Counts a probe's requests as they end or pass their deadline unfinished, and decides the probe
-    as soon as the outcome is certain."""
+    """Counts a probe's requests as they end or pass a deadline unfinished, and decides the probe as
+    soon as the outcome is certain."""
 
     def __init__(self, slo: Slo, attainment: float, count: int, decided: asyncio.Future) -> None:
         self.slo = slo
@@ -221,8 +227,17 @@ class _Verdict:
         self.needed = math.ceil(attainment * count - 1e-9)  # met requests a pass needs
         self.met = self.missed = self.ended = self.refused = 0
         self._finished: set[int] = set()
-        self._late: set[int] = set()  # counted as missed at their deadline, unfinished
+        self._late: set[int] = set()  # counted as missed at a deadline, unfinished
+        self._first_token: set[int] = set()
         self.decided = decided
+
+    def on_first_token(self, index: int) -> None:
+        self._first_token.add(index)
+
+    def on_first_token_deadline(self, index: int) -> None:
+        """The TTFT objective has passed since the request's send: missed unless a token came."""
+        if index not in self._first_token:
+            self.on_deadline(index)
 
     def on_done(self, record: RequestRecord) -> None:
         self._finished.add(record.index)
@@ -237,7 +252,7 @@ class _Verdict:
         self._check()
 
     def on_deadline(self, index: int) -> None:
-        if index not in self._finished:
+        if index not in self._finished and index not in self._late:
             self._late.add(index)
             self.missed += 1
             self._check()
@@ -264,32 +279,49 @@ async def _probe(
     arrivals = PoissonArrivals(rate)
     verdict = _Verdict(slo, attainment, len(requests), loop.create_future())
     offsets_s = arrivals.offsets_s(len(requests), settings.seed)  # the runner's schedule (the same seed)
+    # (deadline from the start, request index, what is checked): the send time's deadlines, in order.
     deadlines = sorted(
-        (offset + slo_deadline_s(slo, request.max_tokens) + DEADLINE_SLACK_S, request.index)
-        for offset, request in zip(offsets_s, requests, strict=True)
+        [(offset + slo_deadline_s(slo, request.max_tokens) + DEADLINE_SLACK_S, request.index, verdict.on_deadline)
+         for offset, request in zip(offsets_s, requests, strict=True)]
+        + ([] if slo.ttft_ms is None else [
+            (offset + slo.ttft_ms / 1e3 + DEADLINE_SLACK_S, request.index, verdict.on_first_token_deadline)
+            for offset, request in zip(offsets_s, requests, strict=True)
+        ]),
+        key=lambda deadline: deadline[:2],
     )
+    max_tokens = {request.index: request.max_tokens for request in requests}
+
+    def on_first_token(index: int) -> None:
+        """The TPOT deadline counts from the first token: TPOT x (max_tokens - 1) after it."""
+        verdict.on_first_token(index)
+        if slo.tpot_ms is not None and max_tokens[index] >= 2:
+            loop.call_at(
+                loop.time() + slo.tpot_ms / 1e3 * (max_tokens[index] - 1) + DEADLINE_SLACK_S, verdict.on_deadline, index
+            )
 
     started: asyncio.Future = loop.create_future()
 
     async def watch() -> None:
         started_s = await started
-        for deadline_s, index in deadlines:
+        for deadline_s, index, check in deadlines:
             if deadline_s == math.inf:
                 return
             wait_s = started_s + deadline_s - loop.time()
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
-            verdict.on_deadline(index)
+            check(index)
 
     watcher = loop.create_task(watch())
     instances: list[SimInstance] = []
     simulation = loop.create_task(
         simulate_async(
-            config, settings, requests, arrivals, slo, on_done=verdict.on_done, on_start=started.set_result, instances_out=instances
+            config, settings, requests, arrivals, slo, on_done=verdict.on_done, on_start=started.set_result,
+            on_first_token=on_first_token, instances_out=instances,
         )
     )
     await asyncio.wait({simulation, verdict.decided}, return_when=asyncio.FIRST_COMPLETED)
     watcher.cancel()
+    simulated_s = loop.time() - started.result() if started.done() else 0.0
     if simulation.done():
         simulation.result()  # a bug in the simulation is raised, not taken for a verdict
         records = simulation.result().point.outcome.records
@@ -297,14 +329,14 @@ async def _probe(
         refused = sum(refused_at_admission(record) for record in records)
         return Probe(
             rate, met / len(requests), len(records), met >= verdict.needed, len(requests), refused=refused,
-            request_limited=_request_limited(instances),
+            request_limited=_request_limited(instances), simulated_s=simulated_s,
         )
     simulation.cancel()  # decided: the rest of the window cannot change the verdict
     passed = verdict.decided.result()
     share = verdict.met if passed else verdict.count - verdict.missed
     return Probe(
         rate, share / len(requests), verdict.ended, passed, len(requests), decided_early=True, refused=verdict.refused,
-        request_limited=_request_limited(instances),
+        request_limited=_request_limited(instances), simulated_s=simulated_s,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -481,6 +482,35 @@ def test_a_probe_decided_early_gives_the_verdict_of_the_whole_run() -> None:
         assert verdict.requests == len(whole.point.outcome.records) == len(requests)
         verdicts.append(verdict)
     assert [v.passed for v in verdicts] == [True, False] and all(v.decided_early for v in verdicts)
+
+
+@pytest.mark.parametrize(("ttft_ms", "tpot_ms"), [(20, 1000), (10_000, 5)], ids=["ttft", "tpot"])
+def test_an_overloaded_probe_fails_at_its_first_certain_misses_of_either_objective(ttft_ms: int, tpot_ms: int) -> None:
+    """A request has missed once it is certain: no token by its send + TTFT, or unfinished by its first
+    token + TPOT x (max_tokens - 1). The verdict is the whole run's, and it comes before the reading
+    that waited for each request's end or its send + TTFT + TPOT x (max_tokens - 1) could give it."""
+    from cluster.loadgen.arrivals import PoissonArrivals
+    from cluster.loadgen.metrics import Slo
+    from cluster.sim.cluster import simulate
+    from cluster.sim.plan import probe, slo_attainment, slo_deadline_s, window_requests
+
+    _base, config, settings, pool, _slo = _plan_case()
+    slo = Slo(ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+    rate = 1600.0  # prompts queue (TTFT p50 ~27 ms) and decode batches swell (TPOT p50 ~6 ms); none refused
+    requests = window_requests(pool, round(rate * 0.5))
+    verdict = probe(config, settings, requests, rate, slo, 0.9)
+    records = simulate(config, settings, requests, PoissonArrivals(rate), slo).point.outcome.records
+    assert slo_attainment(records, slo) < 0.9 and not verdict.passed and verdict.decided_early
+    # Only the objective under test decides: the other one is met by every request.
+    lax = Slo(ttft_ms=None, tpot_ms=tpot_ms) if ttft_ms == 20 else Slo(ttft_ms=ttft_ms, tpot_ms=None)
+    assert slo_attainment(records, lax) == 1.0
+    # When the earlier reading would have failed it: at the (count - needed + 1)-th miss, each
+    # counted at its end or at its send + TTFT + TPOT x (max_tokens - 1), whichever came first.
+    old_deadline_s = slo_deadline_s(slo, pool[0].max_tokens)
+    missed_at_s = sorted(min(r.end_s, r.sent_s + old_deadline_s) for r in records if not slo.met_by(r))
+    needed = math.ceil(0.9 * len(requests) - 1e-9)
+    old_verdict_s = missed_at_s[len(requests) - needed]
+    assert 0 < verdict.simulated_s < old_verdict_s
 
 
 def test_the_window_continues_the_pool_with_copies_that_share_no_prefix() -> None:
