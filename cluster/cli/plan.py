@@ -225,11 +225,18 @@ def run(args: argparse.Namespace) -> int:
             f"not the rate it sustains, and overstates it (leave --duration unset for {window_s:.3g} s)",
             file=sys.stderr,
         )
+    todo = candidates(num_instances, args.policies, args.splits)
+    print(
+        f"duet plan: {len(todo)} candidates ({len(todo) // len(args.policies)} splits x {len(args.policies)} policies), "
+        f"{min(jobs, len(todo))} at a time, probes of {duration_s:g} s of arrivals; a line per simulation as it ends, "
+        "and one per candidate",
+        file=sys.stderr, flush=True,
+    )
     started = time.perf_counter()
     results = plan(
         base, settings, requests, slo, num_instances, policies=args.policies, attainment=args.attainment,
         duration_s=duration_s, prune=not args.every_maximum, jobs=jobs, prefill_counts=args.splits, bisections=args.bisections,
-        progress=lambda message: print(message, file=sys.stderr, flush=True),
+        progress=lambda message: print(message, file=sys.stderr, flush=True), probe_progress=True,
     )
     elapsed_s = time.perf_counter() - started
     chosen = best(results)

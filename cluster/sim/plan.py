@@ -34,6 +34,7 @@ import math
 import multiprocessing
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -363,13 +364,15 @@ def search(
     max_doublings: int = 12,
     bisections: int = DEFAULT_BISECTIONS,
     beat_rate_per_s: float | None = None,
+    on_probe: Callable[[str], None] | None = None,
 ) -> CandidateResult:
     """The candidate's highest rate within the SLOs. With `beat_rate_per_s` (the best rate of the
     candidates searched before), the first probe is at that rate: a candidate that fails it cannot
     be the best and is left there (`below_rate_per_s`); one that passes is searched as without it,
     on the same rates, so to the same maximum, except that a rate at or below one it passed is
     taken as passed without a simulation (the search takes a pass to mean a pass at every lower
-    rate anyway: that is what bisecting between the last pass and the first failure assumes)."""
+    rate anyway: that is what bisecting between the last pass and the first failure assumes).
+    `on_probe` gets a line per probe as it ends (a long search's progress)."""
     config = candidate.config(base)
     result = CandidateResult(candidate, 0.0)
     verdicts: dict[float, bool] = {}
@@ -379,8 +382,15 @@ def search(
             return True
         if rate not in verdicts:
             count = max(min_requests, round(rate * duration_s))
-            result.probes.append(probe(config, settings, window_requests(requests, count), rate, slo, attainment))
-            verdicts[rate] = result.probes[-1].passed
+            started_s = time.perf_counter()
+            done = probe(config, settings, window_requests(requests, count), rate, slo, attainment)
+            result.probes.append(done)
+            verdicts[rate] = done.passed
+            if on_probe is not None:
+                on_probe(
+                    f"  {candidate.label} at {rate:.4g} req/s: {'passed' if done.passed else 'failed'} "
+                    f"({done.simulated_s:.1f} s simulated in {time.perf_counter() - started_s:.1f} s)"
+                )
         return verdicts[rate]
 
     if beat_rate_per_s and not passes(beat_rate_per_s):
@@ -420,6 +430,7 @@ def plan(
     prefill_counts: Sequence[int] | None = None,
     bisections: int = DEFAULT_BISECTIONS,
     progress: Callable[[str], None] = lambda _m: None,
+    probe_progress: bool = False,
 ) -> list[CandidateResult]:
     """Every candidate's search; the best is the one with the highest goodput per instance (all
     candidates have the same N, so the highest rate). With `prune`, each candidate is first probed
@@ -437,7 +448,11 @@ def plan(
 
     `prefill_counts` searches only those splits (`candidates`): the best is then the best of them.
     `bisections`: steps after the doubling phase (each halves how far below its true maximum a
-    candidate's rate may be, for one more probe per candidate)."""
+    candidate's rate may be, for one more probe per candidate).
+
+    `progress` gets a line per candidate as its search ends; with `probe_progress`, a line per probe
+    too (a candidate's search at scale takes minutes): through `progress` with one job, written to
+    stderr by the worker processes (which share the caller's) with several."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if not 0 <= bisections <= MAX_BISECTIONS:
@@ -447,6 +462,7 @@ def plan(
     # doubling phase is short for every candidate.
     start = max(0.25, num_instances / 4)
     options = {"attainment": attainment, "start_rate_per_s": start, "duration_s": duration_s, "bisections": bisections}
+    on_probe = progress if probe_progress else None
     results: list[CandidateResult | None] = [None] * len(todo)
 
     def settled(index: int) -> list[CandidateResult | None]:
@@ -468,7 +484,9 @@ def plan(
     if jobs == 1 or len(todo) == 1:
         for index, candidate in enumerate(todo):
             started = time.perf_counter()
-            results[index] = search(candidate, base, settings, requests, slo, beat_rate_per_s=rate_to_beat(index), **options)
+            results[index] = search(
+                candidate, base, settings, requests, slo, beat_rate_per_s=rate_to_beat(index), on_probe=on_probe, **options
+            )
             report(results[index], time.perf_counter() - started)
         return results  # type: ignore[return-value]  # every slot is filled
 
@@ -481,7 +499,7 @@ def plan(
     finished: queue.SimpleQueue[tuple[int, CandidateResult | None, BaseException | None]] = queue.SimpleQueue()
     with context.Pool(
         processes=min(jobs, len(todo)), initializer=_init_worker,
-        initargs=(base, settings, tuple(requests), slo, options, logging.getLogger().getEffectiveLevel()),
+        initargs=(base, settings, tuple(requests), slo, options, logging.getLogger().getEffectiveLevel(), probe_progress),
     ) as pool:
         running: dict[int, float] = {}  # candidate index -> when its search started
         next_index = 0
@@ -509,14 +527,22 @@ _worker_inputs: tuple[ClusterConfig, SimSettings, tuple[BenchRequest, ...], Slo,
 
 
 def _init_worker(
-    base: ClusterConfig, settings: SimSettings, requests: tuple[BenchRequest, ...], slo: Slo, options: dict, log_level: int
+    base: ClusterConfig, settings: SimSettings, requests: tuple[BenchRequest, ...], slo: Slo, options: dict, log_level: int,
+    probe_progress: bool,
 ) -> None:
     global _worker_inputs
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
     # A spawned process starts with logging unconfigured: the parent's level (duet plan --log-level)
     # keeps the simulated router's warnings as quiet here as in a sequential plan.
     logging.getLogger().setLevel(log_level)
-    _worker_inputs = (base, settings, requests, slo, options)
+    _worker_inputs = (base, settings, requests, slo, {**options, "on_probe": _to_stderr if probe_progress else None})
+
+
+def _to_stderr(line: str) -> None:
+    """A worker's progress line: its stderr is the parent's (a spawned process inherits it); one
+    write per line, so lines of workers do not mix."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _search_in_worker(candidate: Candidate, beat_rate_per_s: float | None) -> CandidateResult:

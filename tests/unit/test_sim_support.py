@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -556,7 +557,7 @@ def test_a_plan_worker_takes_the_parents_log_level() -> None:
     level, handler = root.level, signal.getsignal(signal.SIGINT)
     try:
         root.setLevel(logging.WARNING)
-        _init_worker(*_search_case(), {}, logging.ERROR)
+        _init_worker(*_search_case(), {}, logging.ERROR, False)
         assert root.getEffectiveLevel() == logging.ERROR
     finally:
         root.setLevel(level)
@@ -657,12 +658,22 @@ def test_a_probe_window_holds_several_lives_of_a_request_and_a_shorter_one_is_wa
     assert document["window_s"] == 1.0 and document["request_life_s"] == pytest.approx(2.0 + 0.5 * 7)
 
 
-def test_a_parallel_plan_finds_the_sequential_best_and_repeats_itself() -> None:
+def test_a_parallel_plan_finds_the_sequential_best_and_repeats_itself(capfd: pytest.CaptureFixture[str]) -> None:
     from cluster.sim.plan import best, plan
 
     base, settings, pool, slo = _search_case()
     sequential = _sequential_plan()
-    parallel, again = (plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, jobs=2) for _ in range(2))
+    parallel, again = (
+        plan(base, settings, pool, slo, 3, policies=("round_robin",), duration_s=1.0, jobs=2, probe_progress=progress)
+        for progress in (True, False)
+    )
+    # The workers write a line per probe to the stderr they share with this process (once, for the
+    # plan that asked for them).
+    lines = [line for line in capfd.readouterr().err.splitlines() if " req/s: " in line]
+    assert sorted(re.sub(r" in [0-9.]+ s\)$", "", line) for line in lines) == sorted(
+        f"  {r.candidate.label} at {p.rate_per_s:.4g} req/s: {'passed' if p.passed else 'failed'} ({p.simulated_s:.1f} s simulated"
+        for r in parallel for p in r.probes
+    )
     assert (best(parallel).candidate, best(parallel).max_rate_per_s) == (best(sequential).candidate, best(sequential).max_rate_per_s)
     assert parallel == again  # every probe of every candidate: the workers' timing changes nothing
     assert [r.candidate for r in parallel] == [r.candidate for r in sequential]  # in candidate order
