@@ -225,8 +225,9 @@ class KvSender:
 
     def cancel(self, transfer_id: str, detail: str) -> bool:
         """End the push of `transfer_id` now (any thread): it returns CANCELLED, telling the receiver
-        why, as soon as it waits for its streams (a Prepare or Commit call in progress runs to its own
-        timeout first). False when no such push is in progress: a caller that may cancel a push
+        why, as soon as it waits for its streams or its Prepare (a push whose source was final when it
+        started makes its Prepare as a blocking call, and every push its Commit: those run to their
+        own timeout first). False when no such push is in progress: a caller that may cancel a push
         about to start gives `push` its `cancelled` check, which closes that gap.
 
         For a push nobody waits for any more: its request was released or aborted, or the router
