@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--jobs: the number of candidates to search at once, an integer >= 1", EXIT_USAGE)
     jobs = args.jobs if args.jobs is not None else _usable_cpus()
     try:
-        candidates(num_instances, args.policies, args.splits)  # refuses a split outside 0 .. N - 1, before any work
+        todo = candidates(num_instances, args.policies, args.splits)  # refuses a split outside 0 .. N - 1, before any work
     except ValueError as error:
         raise CliError(f"--splits: {error}", EXIT_USAGE) from None
     try:
@@ -225,7 +225,6 @@ def run(args: argparse.Namespace) -> int:
             f"not the rate it sustains, and overstates it (leave --duration unset for {window_s:.3g} s)",
             file=sys.stderr,
         )
-    todo = candidates(num_instances, args.policies, args.splits)
     print(
         f"duet plan: {len(todo)} candidates ({len(todo) // len(args.policies)} splits x {len(args.policies)} policies), "
         f"{min(jobs, len(todo))} at a time, probes of {duration_s:g} s of arrivals; a line per simulation as it ends, "

@@ -354,9 +354,10 @@ def settle_limit_s(config: ClusterConfig) -> float:
 
 async def _settle(instances: Sequence[SimInstance], limit_s: float) -> None:
     """Wait, on simulated time and at most `limit_s`, until no live instance holds a request. A
-    request can outlive its end at the router: a push the router retried past (it stalled) reads
-    the blocks until its deadline, and the request ends only then, as worker/engine.py keeps it.
-    The leak check comes after (simulate_async); the run's figures are taken before."""
+    request can outlive its end at the router: a push still in flight to a stalled receiver when
+    the run's last request ends, a failed push's request waiting out its sender lease, a
+    reservation its timeout. The leak check comes after (simulate_async); the run's figures are
+    taken before."""
     loop = asyncio.get_running_loop()
     until_s = loop.time() + limit_s
     while any(instance.num_requests for instance in instances if not instance.dead) and loop.time() < until_s:

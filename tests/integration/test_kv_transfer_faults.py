@@ -83,11 +83,11 @@ def sender(plane: str):
     assert shm.segments("faults") == []  # a closed sender leaves nothing
 
 
-def _push(receiver: ReceiverProcess, sender: KvSender, request_id: str, deadline_s: float = DEADLINE_S):
+def _push(receiver: ReceiverProcess, sender: KvSender, request_id: str, deadline_s: float = DEADLINE_S, cancelled=None):
     source = _source()
     transfer_id = new_transfer_id()
     receiver.expect(transfer_id, request_id, LAYOUT, NUM_BLOCKS)
-    outcome = sender.push(receiver.address, transfer_id, request_id, source, deadline_s)
+    outcome = sender.push(receiver.address, transfer_id, request_id, source, deadline_s, cancelled)
     result, data = receiver.received_bytes(transfer_id, wait_s=5.0)
     return outcome, result, data, source
 
@@ -179,7 +179,7 @@ def test_a_cancel_that_comes_before_the_push_can_be_found_is_not_lost(receiver, 
     assert receiver.result(transfer_id).state == "UNOPENED"  # never prepared: nothing to abort there
     assert not sender.cancel(transfer_id, "over already")
     # A check that finds no record changes nothing.
-    outcome, result, data, source = _push_checked(receiver, sender, lambda: None)
+    outcome, result, data, source = _push(receiver, sender, "healthy", cancelled=lambda: None)
     assert outcome.ok, outcome.failure
     assert result.state == "COMMITTED" and data == bytes(source.view)
 
@@ -219,15 +219,6 @@ def test_a_cancel_ends_a_prepare_that_the_receiver_never_answers(receiver, sende
     assert outcome.chunks_sent == 0
     assert receiver.result(transfer_id, wait_s=0.5).state != "COMMITTED"
     _assert_still_serving(receiver, sender)
-
-
-def _push_checked(receiver: ReceiverProcess, sender: KvSender, cancelled):
-    source = _source()
-    transfer_id = new_transfer_id()
-    receiver.expect(transfer_id, "healthy", LAYOUT, NUM_BLOCKS)
-    outcome = sender.push(receiver.address, transfer_id, "healthy", source, DEADLINE_S, cancelled)
-    result, data = receiver.received_bytes(transfer_id, wait_s=5.0)
-    return outcome, result, data, source
 
 
 def test_refused_prepare_opens_nothing(receiver, sender) -> None:
