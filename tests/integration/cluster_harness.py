@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from cluster.deploy.embedded import BackgroundCluster
+
+T = TypeVar("T")
 
 
 class ClusterHarness(BackgroundCluster):
@@ -32,29 +34,39 @@ class ClusterHarness(BackgroundCluster):
 RAY_START_ATTEMPTS = 2
 
 
+def start_ray(start: Callable[[], T], clean_up: Callable[[], None], what: str) -> T:
+    """`start()` (a Ray node or cluster coming up), tried once more when Ray's fixed start-up wait
+    ran out; `clean_up()` after each failed try, so that nothing a try started is left running."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            return start()
+        except Exception as error:  # noqa: BLE001 - Ray raises bare Exception / RuntimeError for these
+            clean_up()
+            timed_out = "timed out during startup" in str(error) or "Timed out waiting for file" in str(error)
+            if not timed_out or attempt == RAY_START_ATTEMPTS:
+                raise
+            warnings.warn(f"{what} timed out starting, trying again: {error}", stacklevel=2)
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def local_ray_cluster(num_cpus: int = 4) -> Iterator[Any]:
     """A local Ray cluster pinned to 127.0.0.1, no dashboard, stopped on exit (one per test module:
     ray.init takes seconds)."""
     import ray
 
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        try:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-                configure_logging=False,
-            )
-            break
-        except Exception as error:  # noqa: BLE001 - Ray raises bare Exception / RuntimeError for these
-            ray.shutdown()
-            timed_out = "timed out during startup" in str(error) or "Timed out waiting for file" in str(error)
-            if not timed_out or attempt == RAY_START_ATTEMPTS:
-                raise
-            warnings.warn(f"ray.init timed out starting a local node, trying again: {error}", stacklevel=2)
+    start_ray(
+        lambda: ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=False,
+            configure_logging=False,
+        ),
+        ray.shutdown,
+        "ray.init of a local node",
+    )
     try:
         yield ray
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from cluster_harness import ClusterHarness  # noqa: I001 - a test helper beside this file
+from cluster_harness import ClusterHarness, start_ray  # noqa: I001 - a test helper beside this file
 
 from cluster.deploy.config import ClusterConfig
 from cluster.deploy.launch import Deployment, DeploymentError
@@ -25,15 +25,26 @@ def multinode():
 
     # tests/conftest.py pins Ray to 127.0.0.1 when joining a cluster (see there).
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources={"prefill_node": 1})
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources={"generation_node": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+    started: list[Cluster] = []
+
+    def start() -> Cluster:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+        )
+        started.append(cluster)
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources={"prefill_node": 1})
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1", resources={"generation_node": 1})
+        cluster.wait_for_nodes()
+        return cluster
+
+    def stop() -> None:  # what a failed try started: a node that timed out left the others running
+        while started:
+            started.pop().shutdown()
+
+    cluster = start_ray(start, stop, "a head and two worker nodes")
     try:
+        ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
         labels = {}
         for node in ray.nodes():
             for label in ("prefill_node", "generation_node"):
